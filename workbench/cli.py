@@ -1,0 +1,139 @@
+"""Composition of the run config from conf/ plus overrides, and the error contract of every
+command: bad input ends with one line naming the key and what is valid, and exit status 2.
+
+Hydra's compose API is used instead of @hydra.main so that the working folder, logging and exit
+codes stay ours (a run writes mlflow.db where the user stands, and exit 2 means bad input).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Callable, List, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from workbench.config import CONF_DIR, ConfigError, RunConfig, register, validate
+
+EXIT_BAD_INPUT = 2
+
+
+class InputError(Exception):
+    """Bad input that is not a config value (a missing file, a corrupt checkpoint, ...)."""
+
+
+def compose_dict(overrides: Sequence[str]) -> DictConfig:
+    """Hydra-compose conf/config.yaml with the overrides; schema errors become ConfigError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    except MissingConfigException as e:
+        raise _missing_option(e, overrides) from None
+    except (ConfigCompositionException, HydraException, OmegaConfBaseException) as e:
+        raise _hydra_error(e) from None
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """The typed config (a RunConfig instance), validated across fields."""
+    run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(run)
+    return run
+
+
+def compose(overrides: Sequence[str]) -> RunConfig:
+    return to_run_config(compose_dict(overrides))
+
+
+def _options(group: str) -> List[str]:
+    folder = CONF_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _missing_option(e: Exception, overrides: Sequence[str]) -> ConfigError:
+    msg = str(e)
+    m = re.search(r"Could not find '([\w/]+)/([^']+)'", msg) or \
+        re.search(r"In '[^']*': Could not find '([\w/]+)/([^']+)'", msg)
+    if m:
+        group, option = m.group(1), m.group(2)
+        return ConfigError(group, option, f"no such option; valid: {', '.join(_options(group))}")
+    for ov in overrides:
+        key = ov.lstrip("+~").split("=")[0]
+        if "." not in key and (CONF_DIR / key).is_dir():
+            return ConfigError(key, ov.split("=", 1)[-1],
+                               f"valid: {', '.join(_options(key))}")
+    return ConfigError("config", "", _first_line(msg))
+
+
+def _first_line(msg: str) -> str:
+    return " ".join(msg.strip().split("\n")[0].split())
+
+
+def _hydra_error(e: Exception) -> ConfigError:
+    """Translate the many Hydra/OmegaConf failures into key + reason."""
+    cause = e
+    while getattr(cause, "__cause__", None) is not None:
+        cause = cause.__cause__  # type: ignore[assignment]
+    for err in (cause, e):
+        key = getattr(err, "full_key", None)
+        if key:
+            reason = _first_line(str(err).split("full_key:")[0])
+            return ConfigError(str(key), getattr(err, "value", ""), reason)
+    msg = _first_line(str(e))
+    m = re.search(r"Could not override '([^']+)'", str(e))
+    if m:
+        detail = _first_line(str(cause)) if cause is not e else msg
+        key = m.group(1)
+        if "Key '" in detail and "not in struct" in detail:
+            detail = f"unknown key; valid keys: {_valid_keys(key)}"
+        return ConfigError(key, "", detail)
+    m = re.search(r"Error parsing override '([^']+)'", str(e))
+    if m:
+        return ConfigError(m.group(1).split("=")[0], m.group(1),
+                           "cannot parse; use key=value, +key=value for new keys")
+    m = re.search(r"Key '([^']+)' is not in struct", msg)
+    if m:
+        return ConfigError(m.group(1), "", "unknown key")
+    return ConfigError("override", "", msg)
+
+
+def _valid_keys(key: str) -> str:
+    from dataclasses import fields
+
+    section = key.lstrip("+").split(".")[0]
+    schema = {f.name: f.type for f in fields(RunConfig)}
+    if section in schema and "." in key:
+        sub = getattr(RunConfig(), section)
+        return ", ".join(f"{section}.{f.name}" for f in fields(sub))
+    return ", ".join(schema)
+
+
+def report_and_exit(err: Exception) -> None:
+    """The one-line contract; WORKBENCH_TRACEBACK=1 shows the traceback too."""
+    if os.environ.get("WORKBENCH_TRACEBACK"):
+        import traceback
+
+        traceback.print_exc()
+    line = " ".join(str(err).split())
+    print(f"error: {line}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def guarded(main: Callable[[List[str]], int]) -> Callable[[List[str]], int]:
+    """Wrap a command's main so that bad input exits 2 with one line, never a traceback."""
+
+    def wrapper(argv: List[str]) -> int:
+        try:
+            return main(argv)
+        except (ConfigError, InputError, FileNotFoundError) as e:
+            report_and_exit(e)
+        return EXIT_BAD_INPUT
+
+    return wrapper

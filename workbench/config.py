@@ -1,0 +1,245 @@
+"""Typed schemas for every config group, registered with Hydra's ConfigStore.
+
+The YAML files under conf/ hold values only; these dataclasses are the schema they are merged
+onto, so an unknown key or a wrong type fails at composition time instead of deep in training.
+`validate()` adds the cross-field rules that a type cannot express (heads divide hidden, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(ValueError):
+    """A bad value in the user's configuration: reported as one line, exit status 2."""
+
+    def __init__(self, key: str, value: Any, valid: str):
+        self.key, self.value, self.valid = key, value, valid
+        super().__init__(f"{key}={value!r}: {valid}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = "llama"  # llama: RMSNorm+RoPE+SwiGLU+GQA; gpt2: LayerNorm+learned pos+GELU
+    n_layers: int = MISSING
+    hidden: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int = MISSING
+    ffn_hidden: int = MISSING
+    vocab: int = MISSING
+    seq_len: int = MISSING
+    tie_embeddings: bool = False
+    bias: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    published_params: int = 0  # the count the model's paper or card gives; 0 = none published
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    gpu: str = "cpu"  # accelerator name, matched loosely by the planner
+    device: str = "cpu"  # torch device type the ranks use: cpu | cuda
+    nodes: int = 1
+    gpus_per_node: int = 1
+    peak_bf16_flops: float = MISSING  # dense, per device
+    peak_fp16_flops: float = MISSING
+    peak_fp32_flops: float = MISSING
+    hbm_bytes: float = MISSING  # memory per device
+    hbm_bw_bytes_per_s: float = MISSING
+    intra_node_gbps: float = MISSING  # per device, one direction, GB/s (NVLink)
+    inter_node_gbps: float = MISSING  # per device, one direction, GB/s (NIC share)
+    # Calibrated cost-model coefficients by name (see workbench/plan/coefficients.py);
+    # empty means the physical defaults.
+    coeff: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LayoutConfig:
+    """Parallel degrees as asked for; -1 on at most one degree means "the rest of the world"."""
+
+    name: str = "single"
+    auto: bool = False  # ask the planner for the best feasible layout
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    virtual_stages: int = 1
+    pp_microbatches: int = 0  # 0: global batch / (dp * micro_batch)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 1337
+    global_batch: int = 16  # sequences per optimizer step
+    micro_batch: int = 16  # sequences per forward/backward on one data-parallel rank
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    keep_ckpts: int = 2
+    log_every: int = 1
+    dtype: str = "fp32"  # fp32 | bf16
+    compile: bool = False
+    run_dir: str = ""  # empty: runs/<timestamp>-<id>; an existing run dir resumes it
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib | tokens
+    path: str = ""  # tokens: folder with train.bin/val.bin + meta.json
+    cache_dir: str = ""  # empty: $WORKBENCH_CACHE or ~/.cache/workbench
+    max_bytes: int = 8_000_000  # stdlib: bytes of source text to use
+    val_frac: float = 0.05
+
+
+@dataclass
+class LowRankConfig:
+    mode: str = "off"  # off | adaptive | fixed | powersgd
+    check_every: int = 10
+    power_iters: int = 2
+    rank_lower_bound: float = 0.05
+    round_to: int = 1
+    keep_first_blocks: int = 1
+    keep_last_blocks: int = 1
+    ema: float = 0.8
+    window: int = 5
+    epsilon: float = 0.02
+    min_switch_frac: float = 0.05
+    max_switch_frac: float = 0.25
+    switch_frac: float = 0.1  # fixed: switch at this fraction of training
+    rank_ratio: float = 0.25  # fixed: rank as a fraction of min(m, n)
+    lr_rescale: float = 1.0
+    rewarm_steps: int = 10
+    frobenius_decay: float = 1e-4
+    powersgd_rank: int = 4
+    powersgd_start_iter: int = 10
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | torchrun | slurm
+    nproc_per_node: int = 1
+    nodes: int = 1
+    tasks_per_node: int = 1
+    partition: str = ""
+    time_min: int = 60
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    extra_sbatch: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TrackingConfig:
+    backend: str = "mlflow"  # mlflow | none
+    uri: str = ""  # empty: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder
+    experiment: str = "workbench"
+
+    def resolved_uri(self) -> str:
+        """The URI the run writes to: explicit, then the environment, then a local sqlite."""
+        if self.uri:
+            return self.uri
+        return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lowrank: LowRankConfig = field(default_factory=LowRankConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sweep: Optional[Dict[str, Any]] = None  # filled by +sweep=NAME; schema in workbench/sweep
+
+
+CHOICES: Dict[str, List[str]] = {
+    "model.family": ["llama", "gpt2"],
+    "cluster.device": ["cpu", "cuda"],
+    "layout.recompute": ["none", "selective", "full"],
+    "layout.pp_schedule": ["gpipe", "1f1b", "interleaved_1f1b"],
+    "train.dtype": ["fp32", "bf16"],
+    "data.name": ["stdlib", "tokens"],
+    "lowrank.mode": ["off", "adaptive", "fixed", "powersgd"],
+    "launcher.name": ["local", "torchrun", "slurm"],
+    "tracking.backend": ["mlflow", "none"],
+}
+
+
+def register() -> None:
+    """Make the schema the base of the primary config, so every group YAML is type-checked."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def _positive(cfg: RunConfig, keys: List[str]) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value <= 0:
+            raise ConfigError(key, value, "must be > 0")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field rules of a run config; raises ConfigError naming the first bad key."""
+    for key, valid in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in valid:
+            raise ConfigError(key, value, f"must be one of {', '.join(valid)}")
+    m, t = cfg.model, cfg.train
+    _positive(cfg, ["model.n_layers", "model.hidden", "model.n_heads", "model.n_kv_heads",
+                    "model.ffn_hidden", "model.vocab", "model.seq_len", "train.steps",
+                    "train.global_batch", "train.micro_batch", "train.lr", "train.eval_every",
+                    "train.eval_batches", "train.ckpt_every", "train.keep_ckpts",
+                    "train.log_every", "data.max_bytes"])
+    if m.hidden % m.n_heads:
+        raise ConfigError("model.n_heads", m.n_heads,
+                          f"must divide model.hidden={m.hidden}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads,
+                          f"must divide model.n_heads={m.n_heads}")
+    if m.family == "llama" and (m.hidden // m.n_heads) % 2:
+        raise ConfigError("model.hidden", m.hidden,
+                          "hidden / n_heads must be even for rotary embeddings")
+    if t.warmup_steps < 0:
+        raise ConfigError("train.warmup_steps", t.warmup_steps, "must be >= 0")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    if t.grad_clip < 0:
+        raise ConfigError("train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+    if t.threads < 0:
+        raise ConfigError("train.threads", t.threads, "must be >= 0 (0 = torch default)")
+    if not 0.0 < cfg.data.val_frac < 0.5:
+        raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
+    if cfg.data.name == "tokens" and not cfg.data.path:
+        raise ConfigError("data.path", cfg.data.path,
+                          "data=tokens needs a folder made by python -m workbench.data.prepare")
+    if cfg.launcher.nproc_per_node <= 0 or cfg.launcher.nodes <= 0:
+        raise ConfigError("launcher.nproc_per_node", cfg.launcher.nproc_per_node, "must be > 0")

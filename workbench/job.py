@@ -1,0 +1,81 @@
+"""The job file: everything a rank needs to train, frozen at submission.
+
+Every launcher ends in `python -m workbench.train JOB_FILE`. The file holds the resolved config,
+the concrete layout, the MLflow run id and the run folder, so a requeued job resumes the same run
+with the same settings, whatever was edited in the working tree since.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import OmegaConf
+
+from workbench.config import RunConfig
+from workbench.layout import Layout
+
+JOB_NAME = "job.json"
+
+
+@dataclass
+class Job:
+    config: Dict[str, Any]  # the resolved RunConfig as plain data
+    layout: str  # Layout.key()
+    run_dir: str
+    run_id: Optional[str] = None  # MLflow run; None with tracking=none
+    data_dir: str = ""
+    world_size: int = 1
+    tags: Dict[str, str] = field(default_factory=dict)
+
+    def run_config(self) -> RunConfig:
+        base = OmegaConf.structured(RunConfig)
+        return OmegaConf.to_object(OmegaConf.merge(base, self.config))  # type: ignore
+
+    def the_layout(self) -> Layout:
+        return Layout.from_key(self.layout)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.run_dir) / JOB_NAME
+
+    def save(self) -> Path:
+        path = self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".job.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Job":
+        path = Path(path)
+        if path.is_dir():
+            path = path / JOB_NAME
+        if not path.exists():
+            raise FileNotFoundError(f"job file {str(path)!r} does not exist")
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise FileNotFoundError(f"job file {str(path)!r} is malformed ({e})") from None
+
+
+def config_dict(cfg: RunConfig) -> Dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore
+
+
+def flat_params(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}: the MLflow params of a run."""
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat_params(v, key + "."))
+        else:
+            out[key] = v
+    return out

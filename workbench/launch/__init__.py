@@ -1,0 +1,27 @@
+"""Launchers: how the ranks of a job start. Each ends in `python -m workbench.train JOB_FILE`."""
+
+from __future__ import annotations
+
+from typing import Dict, Protocol
+
+from workbench.config import LauncherConfig
+from workbench.job import Job
+
+
+class Launcher(Protocol):
+    def world_size(self) -> int: ...
+    def launch(self, job: Job) -> Dict[str, float]: ...
+
+
+def make_launcher(cfg: LauncherConfig) -> Launcher:
+    if cfg.name == "local":
+        from workbench.launch.local import LocalLauncher
+
+        return LocalLauncher()
+    if cfg.name == "torchrun":
+        from workbench.launch.torchrun import TorchrunLauncher
+
+        return TorchrunLauncher(cfg)
+    from workbench.launch.slurm import SlurmLauncher
+
+    return SlurmLauncher(cfg)

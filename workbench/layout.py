@@ -1,0 +1,154 @@
+"""The parallel layout of one run: a frozen value that the planner proposes and the engine applies.
+
+A layout is identified by a short canonical key (used as the MLflow tag and the Optuna trial
+attribute), so that runs with the same layout are comparable by a string match.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+from workbench.config import ConfigError, LayoutConfig, ModelConfig, TrainConfig
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_KEY_ORDER = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+_SHORT = {"dp_replicate": "dpr", "dp_shard": "dps", "tp": "tp", "pp": "pp", "cp": "cp"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    micro_batch: int = 1  # sequences per forward on one data-parallel rank
+    grad_accum: int = 1  # micro-batches per optimizer step per data-parallel rank
+    recompute: str = "none"
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.grad_accum
+
+    def key(self) -> str:
+        """A short canonical string; from_key(key()) == self."""
+        parts = [f"{_SHORT[n]}{getattr(self, n)}" for n in _KEY_ORDER]
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts += [f"mb{self.micro_batch}", f"ga{self.grad_accum}", f"rc-{self.recompute}"]
+        if self.pp > 1:
+            parts.append(f"{self.pp_schedule.replace('_', '-')}-v{self.virtual_stages}")
+        return "_".join(parts)
+
+    @classmethod
+    def from_key(cls, key: str) -> "Layout":
+        values: dict = {}
+        for part in key.split("_"):
+            if part == "sp":
+                values["sequence_parallel"] = True
+            elif part.startswith("rc-"):
+                values["recompute"] = part[3:]
+            elif m := re.fullmatch(r"(gpipe|1f1b|interleaved-1f1b)-v(\d+)", part):
+                values["pp_schedule"] = m.group(1).replace("-", "_")
+                values["virtual_stages"] = int(m.group(2))
+            elif m := re.fullmatch(r"(dpr|dps|tp|pp|cp|mb|ga)(\d+)", part):
+                name = {v: k for k, v in _SHORT.items()} | {"mb": "micro_batch",
+                                                           "ga": "grad_accum"}
+                values[name[m.group(1)]] = int(m.group(2))
+            else:
+                raise ConfigError("layout key", key, f"cannot parse part {part!r}")
+        return cls(**values)
+
+    def as_params(self) -> dict:
+        """Flat dict for tracking params."""
+        return {f"layout.{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
+def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
+    """Turn the asked-for degrees (with at most one -1 = "the rest") into a concrete Layout."""
+    degrees = {n: getattr(cfg, n) for n in _KEY_ORDER}
+    fill = [n for n, d in degrees.items() if d == -1]
+    for n, d in degrees.items():
+        if d == 0 or d < -1:
+            raise ConfigError(f"layout.{n}", d, "must be a positive degree or -1 (the rest)")
+    if len(fill) > 1:
+        raise ConfigError(f"layout.{fill[1]}", -1, f"only one degree may be -1; {fill[0]} is")
+    fixed = 1
+    for n, d in degrees.items():
+        if d != -1:
+            fixed *= d
+    if fill:
+        if world_size % fixed:
+            raise ConfigError(f"layout.{fill[0]}", -1,
+                              f"world size {world_size} is not divisible by the other degrees' "
+                              f"product {fixed}")
+        degrees[fill[0]] = world_size // fixed
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    per_step = dp * train.micro_batch
+    if train.global_batch % per_step:
+        raise ConfigError("train.global_batch", train.global_batch,
+                          f"must be a multiple of dp ({dp}) x train.micro_batch "
+                          f"({train.micro_batch}) = {per_step}")
+    return Layout(**degrees, sequence_parallel=cfg.sequence_parallel,
+                  micro_batch=train.micro_batch, grad_accum=train.global_batch // per_step,
+                  recompute=cfg.recompute, pp_schedule=cfg.pp_schedule,
+                  virtual_stages=cfg.virtual_stages)
+
+
+def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:
+    """Reject a layout that cannot run this model at this world size; the error names the rule."""
+    for n in _KEY_ORDER + ("micro_batch", "grad_accum", "virtual_stages"):
+        if getattr(layout, n) < 1:
+            raise ConfigError(f"layout.{n}", getattr(layout, n), "must be >= 1")
+    if layout.recompute not in RECOMPUTE:
+        raise ConfigError("layout.recompute", layout.recompute, f"must be one of {RECOMPUTE}")
+    if layout.pp_schedule not in SCHEDULES:
+        raise ConfigError("layout.pp_schedule", layout.pp_schedule, f"must be one of {SCHEDULES}")
+    if layout.world_size != world_size:
+        raise ConfigError("layout", layout.key(),
+                          f"dp_replicate*dp_shard*tp*pp*cp = {layout.world_size} != world size "
+                          f"{world_size}")
+    if model.n_heads % layout.tp:
+        raise ConfigError("layout.tp", layout.tp, f"must divide model.n_heads={model.n_heads}")
+    if model.n_kv_heads % layout.tp:
+        raise ConfigError("layout.tp", layout.tp,
+                          f"must divide model.n_kv_heads={model.n_kv_heads}")
+    if model.ffn_hidden % layout.tp:
+        raise ConfigError("layout.tp", layout.tp,
+                          f"must divide model.ffn_hidden={model.ffn_hidden}")
+    stages = layout.pp * layout.virtual_stages
+    if model.n_layers % stages:
+        raise ConfigError("layout.pp", layout.pp,
+                          f"pp*virtual_stages={stages} must divide model.n_layers="
+                          f"{model.n_layers}")
+    if layout.virtual_stages > 1 and layout.pp_schedule != "interleaved_1f1b":
+        raise ConfigError("layout.virtual_stages", layout.virtual_stages,
+                          "virtual stages > 1 need layout.pp_schedule=interleaved_1f1b")
+    if layout.pp_schedule == "interleaved_1f1b" and layout.pp > 1 and layout.virtual_stages < 2:
+        raise ConfigError("layout.virtual_stages", layout.virtual_stages,
+                          "interleaved_1f1b needs virtual_stages >= 2")
+    if layout.pp > 1 and layout.grad_accum < layout.pp and layout.pp_schedule != "gpipe":
+        raise ConfigError("train.global_batch", layout.global_batch,
+                          f"pipeline schedule {layout.pp_schedule} needs at least pp={layout.pp} "
+                          f"micro-batches per step, got {layout.grad_accum}; lower "
+                          "train.micro_batch or raise train.global_batch")
+    if layout.sequence_parallel and layout.tp == 1:
+        raise ConfigError("layout.sequence_parallel", True, "needs layout.tp > 1")
+    seq_split = layout.cp * (layout.tp if layout.sequence_parallel else 1)
+    if model.seq_len % seq_split:
+        raise ConfigError("layout.cp", layout.cp,
+                          f"cp (x tp with sequence parallel) = {seq_split} must divide "
+                          f"model.seq_len={model.seq_len}")
