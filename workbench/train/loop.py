@@ -82,6 +82,9 @@ class LoopContext:
     peak_flops_per_device: float
     world_size: int
     on_step: Optional[Callable[[int, Dict[str, float]], None]] = None  # progress bar
+    # Polled after every step; True (a preemption or time-limit signal arrived) makes the loop
+    # write a checkpoint and return early with last["stopped_at"] set, for a requeue to resume.
+    stop_requested: Optional[Callable[[], bool]] = None
 
 
 def micro_batches(ctx: LoopContext, tokens: np.ndarray, split: str, step: int,
@@ -181,5 +184,9 @@ def train(ctx: LoopContext) -> Dict[str, float]:
                 last["val_loss"] = evaluate(ctx, val_tok)
                 log({"val_loss": last["val_loss"]}, step + 1)
             save(ctx, optimizer, step + 1)
+        elif ctx.stop_requested is not None and ctx.stop_requested():
+            save(ctx, optimizer, step + 1)
+            last["stopped_at"] = step + 1
+            break
     ctx.tracker.flush()
     return last

@@ -73,7 +73,8 @@ def run_job(job: Job, progress: bool = True) -> Dict[str, float]:
     finally:
         if bar:
             bar.close()
-    tracker.close("FINISHED")
+    # A run stopped for a requeue stays RUNNING: its next attempt continues the same MLflow run.
+    tracker.close("RUNNING" if "stopped_at" in last else "FINISHED")
     return last
 
 
