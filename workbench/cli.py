@@ -31,21 +31,79 @@ def compose_dict(overrides: Sequence[str]) -> DictConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     register()
+    _parse_each(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=list(overrides))
     except MissingConfigException as e:
         raise _missing_option(e, overrides) from None
-    except (ConfigCompositionException, HydraException, OmegaConfBaseException) as e:
-        raise _hydra_error(e) from None
+    except (ConfigCompositionException, HydraException, OmegaConfBaseException,
+            ValueError) as e:
+        err = _hydra_error(e)
+        given = {ov.lstrip("+~").split("=", 1)[0]: ov.split("=", 1)[-1] for ov in overrides}
+        if err.key in given and err.value in ("", None):
+            err = ConfigError(err.key, given[err.key], err.valid)
+        raise err from None
+
+
+def _parse_each(overrides: Sequence[str]) -> None:
+    """Parse overrides one by one, so a syntax error names the override that has it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        name = key.lstrip("+~")
+        if sep and not name:
+            raise ConfigError(ov, "", "no key before '='")
+        if sep and "." not in name and (CONF_DIR / name).is_dir() and \
+                value not in _options(name):
+            raise ConfigError(name, value, f"no such option; valid: {', '.join(_options(name))}")
+        try:
+            parser.parse_override(ov)
+        except HydraException as e:
+            key, sep, value = ov.partition("=")
+            if not sep:
+                raise ConfigError(ov, "", "not key=value (use +key=value to add a key, "
+                                  "group=option to pick an option)") from None
+            raise ConfigError(key.lstrip("+~"), value,
+                              f"cannot parse the value ({_first_line(str(e))})") from None
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """The typed config (a RunConfig instance), validated across fields."""
-    run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    _reject_unknown_keys(cfg)
+    try:
+        run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except MissingMandatoryValue as e:
+        raise ConfigError(str(getattr(e, "full_key", "config")), "???",
+                          "required value is missing; pick a preset for its group") from None
+    except OmegaConfBaseException as e:
+        raise _hydra_error(e) from None
     validate(run)
     return run
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """`+key=value` bypasses the schema's struct flag; a key the schema lacks is still a typo."""
+    from dataclasses import fields, is_dataclass
+
+    def walk(node: DictConfig, schema, prefix: str) -> None:
+        known = {f.name: f for f in fields(schema)}
+        for key in node.keys():
+            full = f"{prefix}{key}"
+            if key not in known:
+                raise ConfigError(full, node.get(key), "unknown key; valid keys: "
+                                  + ", ".join(f"{prefix}{k}" for k in known))
+            sub = getattr(schema(), key) if isinstance(schema, type) else getattr(schema, key)
+            if is_dataclass(sub) and isinstance(node.get(key), DictConfig):
+                walk(node.get(key), type(sub), full + ".")
+
+    walk(cfg, RunConfig, "")
 
 
 def compose(overrides: Sequence[str]) -> RunConfig:
@@ -85,13 +143,15 @@ def _hydra_error(e: Exception) -> ConfigError:
         key = getattr(err, "full_key", None)
         if key:
             reason = _first_line(str(err).split("full_key:")[0])
+            if "not in '" in reason or "not in struct" in reason:
+                reason = f"unknown key; valid keys: {_valid_keys(str(key))}"
             return ConfigError(str(key), getattr(err, "value", ""), reason)
     msg = _first_line(str(e))
     m = re.search(r"Could not override '([^']+)'", str(e))
     if m:
         detail = _first_line(str(cause)) if cause is not e else msg
         key = m.group(1)
-        if "Key '" in detail and "not in struct" in detail:
+        if "Key '" in detail and ("not in struct" in detail or "not in '" in detail):
             detail = f"unknown key; valid keys: {_valid_keys(key)}"
         return ConfigError(key, "", detail)
     m = re.search(r"Error parsing override '([^']+)'", str(e))

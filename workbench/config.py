@@ -98,7 +98,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_ckpts: int = 2
     log_every: int = 1
-    dtype: str = "fp32"  # fp32 | bf16
+    dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16
     compile: bool = False
     run_dir: str = ""  # empty: runs/<timestamp>-<id>; an existing run dir resumes it
     threads: int = 0  # torch intra-op threads; 0 = torch's default
@@ -183,12 +183,20 @@ CHOICES: Dict[str, List[str]] = {
     "cluster.device": ["cpu", "cuda"],
     "layout.recompute": ["none", "selective", "full"],
     "layout.pp_schedule": ["gpipe", "1f1b", "interleaved_1f1b"],
-    "train.dtype": ["fp32", "bf16"],
+    "train.dtype": ["auto", "fp32", "bf16"],
     "data.name": ["stdlib", "tokens"],
     "lowrank.mode": ["off", "adaptive", "fixed", "powersgd"],
     "launcher.name": ["local", "torchrun", "slurm"],
     "tracking.backend": ["mlflow", "none"],
 }
+
+
+def compute_dtype(train: TrainConfig, cluster: ClusterConfig) -> str:
+    """The dtype matmuls run in: `auto` means bf16 on GPUs (what a real run uses) and fp32 on
+    the CPU (where bf16 is slow and the dry run must match single-process losses)."""
+    if train.dtype != "auto":
+        return train.dtype
+    return "bf16" if cluster.device == "cuda" else "fp32"
 
 
 def register() -> None:

@@ -1,0 +1,186 @@
+"""Accuracy of the cost model on published measurements (shared/calibration/).
+
+Prints, per source group: the median absolute percentage error of the figure the source prints
+(TFLOP/s per GPU, MFU, tokens/s per GPU or seconds per iteration), the Spearman rank correlation
+inside every sweep of >= 3 layouts (same source, model and GPU count), the error on published
+peak memory where a source gives it, and per-GPU memory against Korthikanti et al. Fig. 1 / 7.
+Nothing here is fitted: the coefficients are the physical defaults (or a cluster's calibrated
+ones), and the figures printed are whatever they are.
+
+    python benchmarks/costmodel_accuracy.py [--csv PATH] [--memory-csv PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from workbench.config import ModelConfig, TrainConfig
+from workbench.layout import Layout
+from workbench.plan.costmodel import estimate
+from workbench.plan.hardware import GIB, cluster_for
+from workbench.plan.terms import Software
+from workbench.plan.validate import default_csv, predict_row, read_rows
+
+METRIC_TO_PRED = {"tflops_per_gpu": ("pred_hw_tflops_per_gpu", 1.0),
+                  "MFU_pct": ("pred_mfu", 100.0),
+                  "tokens_per_sec_per_gpu": ("pred_tokens_per_s_per_gpu", 1.0),
+                  "seconds_per_iter": ("pred_step_time_s", 1.0)}
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Rank correlation with average ranks for ties; nan when either side is constant."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx)
+    vy = sum((b - my) ** 2 for b in ry)
+    return cov / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else float("nan")
+
+
+def measured_vs_predicted(rows: list[dict[str, str]]) -> list[tuple[dict[str, str], float, float]]:
+    out = []
+    for row in rows:
+        pred = predict_row(row)
+        metric = row.get("metric", "")
+        if pred["pred_error"] or metric not in METRIC_TO_PRED or not row.get("value"):
+            print(f"  skipped {row['source_group']} {row['model']} n={row['n_gpus']}: "
+                  f"{pred['pred_error'] or 'metric ' + metric}")
+            continue
+        col, scale = METRIC_TO_PRED[metric]
+        out.append(({**row, **pred}, float(row["value"]), float(pred[col]) * scale))
+    return out
+
+
+def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
+    pairs = measured_vs_predicted(rows)
+    by_source: dict[str, list] = defaultdict(list)
+    for row, meas, pred in pairs:
+        by_source[row["source_group"]].append((row, meas, pred))
+    print(f"\n{'source':<20}{'n':>4} {'metric':<24}{'MAPE %':>8}  (target <= 10%)")
+    mapes: dict[str, float] = {}
+    for src, items in by_source.items():
+        errs = [abs(p - m) / m * 100 for _, m, p in items]
+        mapes[src] = statistics.median(errs)
+        metrics = sorted({r["metric"] for r, _, _ in items})
+        print(f"{src:<20}{len(items):>4} {','.join(metrics):<24}{mapes[src]:>8.1f}")
+    all_errs = [abs(p - m) / m * 100 for _, m, p in pairs]
+    print(f"{'all':<20}{len(pairs):>4} {'':<24}{statistics.median(all_errs):>8.1f}")
+    print("\nper row (measured -> predicted):")
+    for row, meas, pred in pairs:
+        print(f"  {row['source_group']:<18}{row['model']:<15}n={row['n_gpus']:<6}"
+              f"tp{row['tp']} pp{row['pp']} dp{row['dp']} {row['precision'][:12]:<12} "
+              f"{row['metric']:<22}{meas:>9.1f} -> {pred:>9.1f} ({(pred - meas) / meas:+.0%})"
+              f"  mem {row['pred_peak_mem_gib']} GiB fits={row['pred_fits']}")
+    sweeps: dict[tuple[str, str, str], list] = defaultdict(list)
+    for row, meas, pred in pairs:
+        sweeps[(row["source_group"], row["model"], row["n_gpus"])].append((meas, pred))
+    print("\nSpearman rank correlation inside sweeps of >= 3 layouts (target >= 0.9):")
+    for key, items in sweeps.items():
+        if len(items) >= 3:
+            rho = spearman([m for m, _ in items], [p for _, p in items])
+            print(f"  {key[0]:<18}{key[1]:<16}n={key[2]:<6}layouts={len(items):<3}rho={rho:+.2f}")
+    mem = [(float(r["peak_mem_gib"]), float(r["pred_peak_mem_gib"])) for r, _, _ in pairs
+           if r.get("peak_mem_gib")]
+    if mem:
+        errs = [abs(p - m) / m * 100 for m, p in mem]
+        print(f"\npublished peak memory (torchtitan, max over ranks): {len(mem)} rows, "
+              f"median abs error {statistics.median(errs):.1f}%")
+    return mapes
+
+
+# Korthikanti et al. Fig. 1 models with their Table 5 layouts (TP, PP, interleave, micro-batch).
+FIG1 = {"megatron-22B": (48, 6144, 64, 8, 1, 1, 4), "gpt3-175B": (96, 12288, 96, 8, 8, 3, 1),
+        "turing-530B": (105, 20480, 128, 8, 35, 3, 1), "megatron-1T": (128, 25600, 160, 8, 64, 1, 1)}
+MODES = {"none": (False, "none"), "seq": (True, "none"), "sel": (False, "selective"),
+         "seqsel": (True, "selective"), "full": (False, "full")}
+
+
+def fig_estimate(name: str, mode: str):
+    L, h, a, tp, pp, v, mb = FIG1[name]
+    model = ModelConfig(name=name, family="gpt2", n_layers=L, hidden=h, n_heads=a, n_kv_heads=a,
+                        ffn_hidden=4 * h, vocab=51200, seq_len=2048, tie_embeddings=True)
+    sp, rc = MODES[mode]
+    lay = Layout(tp=tp, pp=pp, sequence_parallel=sp, micro_batch=mb, grad_accum=max(pp, 1),
+                 recompute=rc, pp_schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                 virtual_stages=v)
+    sw = Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=False)
+    return estimate(model, cluster_for("A100-SXM-80GB", tp * pp), TrainConfig(), lay,
+                    software=sw)
+
+
+def report_memory(path: Path) -> float | None:
+    if not path.is_file():
+        print(f"no memory CSV at {path}")
+        return None
+    _, rows = read_rows_loose(path)
+    errs = []
+    print("\nper-GPU memory vs Korthikanti et al. (target within 10%):")
+    none_acts: dict[str, float] = {}
+    for name in FIG1:
+        none_acts[name] = fig_estimate(name, "none").mem_bytes["mem_activations_bytes"]
+    for r in rows:
+        est = fig_estimate(r["model"], r["mode"])
+        acts = est.mem_bytes["mem_activations_bytes"]
+        if r["figure"] == "Fig1":
+            states = sum(est.mem_bytes[k] for k in ("mem_params_bytes", "mem_grads_bytes",
+                                                    "mem_optimizer_bytes")) / GIB
+            for what, meas, pred in (("params+optimizer", float(r["params_and_optimizer_GiB_per_gpu"]),
+                                      states),
+                                     ("activations", float(r["activations_GiB_per_gpu"]),
+                                      acts / GIB)):
+                err = (pred - meas) / meas * 100
+                errs.append(abs(err))
+                print(f"  Fig1 {r['model']:<13}{r['mode']:<7}{what:<17}{meas:>8.2f} -> "
+                      f"{pred:>8.2f} GiB ({err:+.1f}%)")
+        else:
+            meas = float(r["activation_pct_of_none"])
+            pred = acts / none_acts[r["model"]] * 100
+            err = (pred - meas) / meas * 100
+            errs.append(abs(err))
+            print(f"  Fig7 {r['model']:<13}{r['mode']:<7}{'activation %':<17}{meas:>8.2f} -> "
+                  f"{pred:>8.2f} %   ({err:+.1f}%)")
+    worst = max(errs)
+    print(f"memory: median abs error {statistics.median(errs):.1f}%, max {worst:.1f}%")
+    return worst
+
+
+def read_rows_loose(path: Path):
+    import csv
+
+    with path.open(newline="", encoding="utf-8") as fh:
+        r = csv.DictReader(fh)
+        return r.fieldnames, list(r)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--memory-csv", type=Path, default=None)
+    args = p.parse_args(argv)
+    path = args.csv or default_csv()
+    _, rows = read_rows(path)
+    print(f"rows: {len(rows)} from {path}")
+    report_layouts(rows)
+    report_memory(args.memory_csv or path.with_name("korthikanti2022_memory.csv"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,37 @@
+"""Speed of exhaustive layout scoring on one core: layouts scored per second and total time.
+
+    python benchmarks/plan_speed.py        (targets: >= 1,000,000 layouts/s; 405B space < 10 s)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, as the target says
+
+from workbench.cli import compose
+from workbench.plan.search import rank_layouts
+
+CASES = (("llama3_405b", 16384, 2048), ("llama3_70b", 1024, 1024))
+
+
+def main() -> int:
+    warm = compose(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16"])
+    rank_layouts(warm.model, warm.cluster, warm.train, 8)  # first-call import/alloc costs
+    for model, world, gb in CASES:
+        cfg = compose([f"model={model}", "cluster=h100_8x_ib", f"train.global_batch={gb}",
+                       "train.dtype=bf16"])
+        t0 = time.perf_counter()
+        r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world)
+        dt = time.perf_counter() - t0
+        best = r.layout(int(r.order[0])).key() if len(r.order) else "none feasible"
+        print(f"{model} on {world} H100 (global batch {gb}): {len(r):,} layouts "
+              f"({len(r.order):,} feasible) in {dt:.2f} s = {len(r) / dt:,.0f} layouts/s; "
+              f"best {best}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Shared fixtures: every test runs in its own folder with its own MLflow sqlite store; the
+embedded corpus is built once per session into a shared cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["train.steps=12", "train.eval_every=4", "train.ckpt_every=6", "train.warmup_steps=3",
+        "train.global_batch=4", "train.micro_batch=4", "data.max_bytes=1000000"]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("wb-cache")
+
+
+@pytest.fixture
+def workdir(tmp_path, cache_dir, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORKBENCH_CACHE", str(cache_dir))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    return tmp_path
+
+
+def cli(module: str, args: List[str], cwd: Path, timeout: float = 600,
+        **popen) -> subprocess.CompletedProcess:
+    """Run `python -m module args` as a user would, in cwd, with the test's environment."""
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=os.environ.copy(), **popen)
+
+
+def metric_series(run_id: str, key: str) -> List[tuple]:
+    """(step, value) pairs of one metric, in step order, straight from the store."""
+    from mlflow.tracking import MlflowClient
+
+    hist = MlflowClient().get_metric_history(run_id, key)
+    return sorted((m.step, m.value) for m in hist)
+
+
+def only_run(experiment: str = "workbench"):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]

@@ -1,0 +1,85 @@
+"""Every config file composes into the typed RunConfig; presets carry published sizes; bad
+overrides give one line naming the key, and exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import compose
+from workbench.config import CONF_DIR, ConfigError, RunConfig
+from workbench.train.model import build, n_params
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+
+
+def _options(group: str):
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_option_composes_to_runconfig(group, option):
+    prefix = "+" if group == "sweep" else ""
+    extra = ["data.path=/some/shards"] if (group, option) == ("data", "tokens") else []
+    cfg = compose([f"{prefix}{group}={option}", *extra])
+    assert isinstance(cfg, RunConfig)
+    if group != "sweep":
+        section = getattr(cfg, group)
+        assert section is not None
+        if hasattr(section, "name") and group not in ("lowrank",):
+            assert section.name in (option, section.name)
+
+
+def test_groups_are_those_of_the_design():
+    assert set(GROUPS) >= {"model", "cluster", "layout", "train", "data", "lowrank", "launcher",
+                           "tracking", "sweep"}
+
+
+@pytest.mark.parametrize("option", [o for o in _options("model")])
+def test_model_presets_match_published_parameter_counts(option):
+    cfg = compose([f"model={option}"]).model
+    if cfg.published_params:
+        assert abs(n_params(cfg) / cfg.published_params - 1) < 0.01, option
+    else:  # our own presets: the arithmetic must equal the real module's count
+        model = build(cfg, seed=0)
+        assert sum(p.numel() for p in model.parameters()) == n_params(cfg)
+
+
+def test_gpt_small_is_in_its_size_band():
+    assert 10e6 <= n_params(compose(["model=gpt_small"]).model) <= 30e6
+
+
+def test_tiny_divides_for_every_2_and_4_way_layout():
+    m = compose([]).model
+    for d in (2, 4):
+        assert m.n_heads % d == 0 and m.n_kv_heads % d == 0 and m.n_layers % d == 0
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model=nope", "model"),
+    ("model.foo=1", "model.foo"),
+    ("model.n_layers=abc", "model.n_layers"),
+    ("train.steps=-1", "train.steps"),
+    ("model.n_heads=7", "model.n_heads"),
+    ("model.n_kv_heads=3", "model.n_kv_heads"),
+    ("layout=xx", "layout"),
+    ("lowrank.mode=sometimes", "lowrank.mode"),
+    ("bogus=3", "bogus"),
+    ("train.lr=[1", "train.lr"),
+])
+def test_bad_override_names_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    assert str(e.value).startswith(key), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_bad_input_exits_2_with_one_line(workdir: Path):
+    from conftest import cli
+
+    out = cli("workbench.run", ["model.n_heads=5"], workdir)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.n_heads" in lines[0] and "Traceback" not in out.stderr
+    assert not (workdir / "mlflow.db").exists()  # nothing recorded for a rejected run

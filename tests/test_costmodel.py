@@ -1,0 +1,134 @@
+"""Property tests of the cost model: physics that must hold whatever the coefficients."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
+from workbench.layout import Layout
+from workbench.plan.costmodel import estimate
+from workbench.plan.hardware import cluster_for, match_gpu
+from workbench.plan.shapes import lowrank_flops_ratio, model_shape
+from workbench.plan.terms import MEM_TERMS, TIME_TERMS
+
+MODEL = ModelConfig(name="m", family="llama", n_layers=16, hidden=2048, n_heads=16,
+                    n_kv_heads=8, ffn_hidden=5632, vocab=32000, seq_len=2048)
+TRAIN = TrainConfig(global_batch=64, micro_batch=1, dtype="bf16")
+
+
+def cluster(n: int = 64) -> ClusterConfig:
+    return cluster_for("H100-SXM-80GB", n)
+
+
+layouts = st.builds(
+    lambda tp, pp, cp, dps, mb, rc, sp: Layout(
+        dp_replicate=64 // (tp * pp * cp * dps), dp_shard=dps, tp=tp, pp=pp, cp=cp,
+        sequence_parallel=sp and tp > 1, micro_batch=mb,
+        grad_accum=max(1, 64 // (64 // (tp * pp * cp) * mb)), recompute=rc),
+    st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.sampled_from(["none", "selective",
+                                                                         "full"]),
+    st.booleans())
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts)
+def test_estimates_finite_positive_and_breakdown_sums(lay: Layout) -> None:
+    e = estimate(MODEL, cluster(lay.world_size), TRAIN, lay)
+    for v in (e.step_time_s, e.peak_mem_bytes, e.tokens_per_s, e.mfu, e.hfu):
+        assert math.isfinite(v) and v > 0
+    assert e.hfu >= e.mfu
+    assert math.isclose(sum(e.time_s.values()), e.step_time_s, rel_tol=1e-9)
+    assert math.isclose(sum(e.mem_bytes.values()), e.peak_mem_bytes, rel_tol=1e-9)
+    assert set(e.time_s) == set(TIME_TERMS) and set(e.mem_bytes) == set(MEM_TERMS)
+    m = e.as_metrics()
+    assert {"step_time_s", "peak_mem_bytes", "tokens_per_s", "mfu", "hfu"} <= set(m)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.booleans())
+def test_raising_tp_never_raises_param_memory(tp: int, dps: int, sp: bool) -> None:
+    def params(t: int) -> float:
+        lay = Layout(dp_replicate=64 // (t * dps), dp_shard=dps, tp=t, sequence_parallel=sp and
+                     t > 1, grad_accum=1)
+        return estimate(MODEL, cluster(), TRAIN, lay).mem_bytes["mem_params_bytes"]
+
+    assert params(tp * 2) <= params(tp)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 2, 8]), st.sampled_from([1, 2]), st.booleans(), st.booleans())
+def test_recompute_lowers_activations_and_raises_compute(tp: int, mb: int, sp: bool,
+                                                         flash: bool) -> None:
+    from workbench.plan.terms import Software
+
+    sw = Software(flash_attention=flash, dropout=not flash)
+    est = {rc: estimate(MODEL, cluster(), TRAIN, Layout(dp_replicate=64 // tp, tp=tp,
+                                                        sequence_parallel=sp and tp > 1,
+                                                        micro_batch=mb, recompute=rc),
+                        software=sw) for rc in ("none", "selective", "full")}
+    act = {k: e.mem_bytes["mem_activations_bytes"] for k, e in est.items()}
+    comp = {k: e.time_s["time_recompute_s"] + e.time_s["time_fwd_s"] + e.time_s["time_bwd_s"]
+            for k, e in est.items()}
+    assert act["full"] < act["selective"] < act["none"]
+    assert comp["none"] < comp["selective"] < comp["full"]
+
+
+def test_lowrank_flops_ratio() -> None:
+    assert math.isclose(lowrank_flops_ratio(4096, 1024, 256), 256 * (4096 + 1024) / (4096 * 1024))
+    lr = LowRankConfig(mode="fixed", rank_ratio=0.25, keep_first_blocks=0, keep_last_blocks=0)
+    dense, low = model_shape(MODEL), model_shape(MODEL, lr)
+    for (m, n, _), (a, r, _), (r2, b, _) in zip(dense.dense, low.lowrank[::2], low.lowrank[1::2]):
+        assert (a, b) == (m, n) and r == r2
+        assert math.isclose((a * r + r * b) / (m * n), lowrank_flops_ratio(m, n, r))
+    assert low.model_flops_per_token() < dense.model_flops_per_token()
+    lay = Layout(dp_replicate=64)
+    assert estimate(MODEL, cluster(), TRAIN, lay, lr).step_time_s < \
+        estimate(MODEL, cluster(), TRAIN, lay).step_time_s
+
+
+def test_tp_across_nodes_is_slower() -> None:
+    lay = Layout(dp_replicate=4, tp=16, sequence_parallel=True)
+    big = ModelConfig(**{**MODEL.__dict__, "n_heads": 32, "n_kv_heads": 16})
+    c8, c16 = cluster_for("H100-SXM-80GB", 64, 8), cluster_for("H100-SXM-80GB", 64, 16)
+    t8 = estimate(big, c8, TRAIN, lay).time_s["time_tp_comm_s"]
+    t16 = estimate(big, c16, TRAIN, lay).time_s["time_tp_comm_s"]
+    assert t8 > t16 > 0
+
+
+def test_counts_match_train_model() -> None:
+    from workbench.train.model import flops_per_token, matmul_params
+
+    for m in (MODEL, ModelConfig(name="g", family="gpt2", n_layers=4, hidden=256, n_heads=4,
+                                 n_kv_heads=4, ffn_hidden=1024, vocab=1000, seq_len=128,
+                                 bias=True, tie_embeddings=True)):
+        ms = model_shape(m)
+        assert ms.n_layers * ms.layer_matmul_params() + m.vocab * m.hidden == matmul_params(m)
+        assert math.isclose(ms.model_flops_per_token(), flops_per_token(m))
+
+
+def test_korthikanti_activation_memory() -> None:
+    """Korthikanti et al. eq. 2: sbh(10 + 24/t + 5as/(ht)) bytes per layer, no SP/recompute."""
+    from workbench.plan.terms import Software
+
+    gpt = ModelConfig(name="22b", family="gpt2", n_layers=48, hidden=6144, n_heads=64,
+                      n_kv_heads=64, ffn_hidden=24576, vocab=51200, seq_len=2048,
+                      tie_embeddings=True)
+    sw = Software(precision="fp16", flash_attention=False, dropout=True)
+    e = estimate(gpt, cluster_for("A100 80GB", 8), TRAIN, Layout(tp=8, micro_batch=4),
+                 software=sw)
+    s, b, h, a, t = 2048, 4, 6144, 64, 8
+    want = 48 * s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert math.isclose(e.mem_bytes["mem_activations_bytes"], want, rel_tol=1e-9)
+
+
+def test_gpu_names_match_loosely() -> None:
+    assert match_gpu("A100-SXM-80GB (Selene DGX A100)").name == "A100-SXM-80GB"
+    assert match_gpu("A100 40GB").name == "A100-SXM-40GB"
+    assert match_gpu("H100 (80GB)").name == "H100-SXM-80GB"
+    assert match_gpu("H100 PCIe").name == "H100-PCIe-80GB"
+    assert match_gpu("H100 96GB HBM2e (500W, Grand Teton)").power_capped
+    assert match_gpu("H200 141GB").name == "H200-SXM-141GB"

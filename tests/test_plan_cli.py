@@ -1,0 +1,108 @@
+"""The plan, validate and calibrate commands: outputs, and exit 2 with one line on bad input."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.config import CONF_DIR
+from workbench.plan import __main__ as plan_main
+from workbench.plan import calibrate, validate
+
+ROW = {"source": "t", "source_group": "t", "model": "m", "n_layers": "32", "hidden": "4096",
+       "n_heads": "32", "n_kv_heads": "8", "ffn_hidden": "14336", "vocab": "128256",
+       "seq_len": "8192", "n_params": "8B", "gpu_type": "H100 (80GB)", "n_gpus": "8",
+       "gpus_per_node": "8", "interconnect": "", "tp": "1", "pp": "1", "dp": "8",
+       "cp_or_sp": "none", "virtual_stages": "", "micro_batch": "1", "global_batch": "8",
+       "recompute": "full", "zero_or_fsdp": "FSDP2", "precision": "BF16",
+       "metric": "tokens_per_sec_per_gpu", "value": "6000", "metric2": "", "value2": "",
+       "peak_mem_gib": "", "notes": ""}
+
+
+def write_csv(path: Path, rows) -> Path:
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(ROW))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_plan_prints_top_and_writes_csv(tmp_path, capsys) -> None:
+    out = tmp_path / "rank.csv"
+    rc = plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=2",
+                         "train.global_batch=64", "train.dtype=bf16", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "rejected:" in text and "tok/s/GPU" in text
+    rows = list(csv.DictReader(out.open()))
+    assert rows[0]["rank"] == "1" and any(r["rejected_because"] for r in rows)
+
+
+def test_validate_never_crashes_on_a_row(tmp_path) -> None:
+    bad_gpu = {**ROW, "gpu_type": "TPU v5"}
+    missing = {**ROW, "tp": ""}
+    src = write_csv(tmp_path / "in.csv", [ROW, bad_gpu, missing])
+    out = tmp_path / "out.csv"
+    assert validate.main(["--csv", str(src), "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert set(validate.PRED_COLUMNS) <= set(rows[0]) and set(ROW) <= set(rows[0])
+    assert rows[0]["pred_error"] == "" and float(rows[0]["pred_tokens_per_s_per_gpu"]) > 0
+    assert rows[0]["pred_fits"] in ("true", "false") and 0 < float(rows[0]["pred_mfu"]) < 1
+    assert "unknown GPU" in rows[1]["pred_error"] and "missing tp" in rows[2]["pred_error"]
+
+
+def test_validate_published_file_when_present(tmp_path) -> None:
+    src = validate.default_csv()
+    if not src.is_file():
+        pytest.skip("no shared/calibration beside the repository")
+    out = tmp_path / "pub.csv"
+    assert validate.main(["--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert sum(1 for r in rows if not r["pred_error"]) >= 70
+
+
+def test_calibrate_writes_coeff_to_a_copy(tmp_path) -> None:
+    conf = tmp_path / "conf"
+    (conf / "cluster").mkdir(parents=True)
+    shutil.copy(CONF_DIR / "cluster" / "h100_80g_8x_ib.yaml", conf / "cluster")
+    rows = [{**ROW, "value": v, "n_gpus": str(n), "dp": str(n), "global_batch": str(n)}
+            for v, n in (("5000", 8), ("4800", 16))]
+    src = write_csv(tmp_path / "m.csv", rows)
+    assert calibrate.main(["--cluster", "h100_80g_8x_ib", "--csv", str(src), "--conf-dir",
+                           str(conf), "--fit", "mm_eff_max"]) == 0
+    text = (conf / "cluster" / "h100_80g_8x_ib.yaml").read_text()
+    assert text.startswith("# DGX H100") and "coeff:" in text and "mm_eff_max:" in text
+    from workbench.plan.calibrate import _load_cluster
+
+    assert "mm_eff_max" in _load_cluster(conf / "cluster" / "h100_80g_8x_ib.yaml").coeff
+
+
+@pytest.mark.parametrize("module,args", [
+    ("workbench.plan", ["model=nope"]),
+    ("workbench.plan", ["--bogus"]),
+    ("workbench.plan", ["cluster.nodes"]),
+    ("workbench.plan.validate", ["--csv", "/no/such.csv", "--out", "/tmp/x.csv"]),
+    ("workbench.plan.validate", ["--nope"]),
+    ("workbench.plan.calibrate", ["--cluster", "nope", "--csv", "/no/such.csv"]),
+    ("workbench.plan.calibrate", ["--cluster", "h100_8x_ib", "--csv", "x", "--fit", "zz"]),
+])
+def test_bad_input_exits_2_with_one_line(module, args, tmp_path) -> None:
+    p = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, check=False,
+                       cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_unparseable_csv_exits_2(tmp_path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    p = subprocess.run([sys.executable, "-m", "workbench.plan.validate", "--csv", str(bad),
+                        "--out", str(tmp_path / "o.csv")], capture_output=True, text=True,
+                       check=False)
+    assert p.returncode == 2 and p.stderr.startswith("error: ")
+    assert not (tmp_path / "o.csv").exists()

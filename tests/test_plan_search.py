@@ -1,0 +1,52 @@
+"""Exhaustive ranking, best_layout for layout=auto, and the seeded Optuna search."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.cli import compose
+from workbench.config import ConfigError
+from workbench.layout import validate
+from workbench.plan.costmodel import estimate
+from workbench.plan.optuna_search import optuna_search
+from workbench.plan.search import best_layout, rank_layouts
+
+
+def cfg(model: str, gb: int, cluster: str = "h100_8x_ib"):
+    return compose([f"model={model}", f"cluster={cluster}", f"train.global_batch={gb}",
+                    "train.dtype=bf16"])
+
+
+def test_ranking_is_sorted_feasible_and_matches_estimate() -> None:
+    c = cfg("llama3_8b", 64)
+    r = rank_layouts(c.model, c.cluster, c.train, 16)
+    assert len(r.order) > 0 and r.rejected()
+    tok = r.tokens_per_s[r.order]
+    assert (tok[:-1] >= tok[1:]).all()
+    for i in r.order[:5]:
+        lay = r.layout(int(i))
+        validate(lay, c.model, 16)
+        e = estimate(c.model, c.cluster, c.train, lay)
+        assert e.fits
+        assert e.tokens_per_s == pytest.approx(float(r.tokens_per_s[i]), rel=1e-9)
+
+
+def test_best_layout_world_size_and_error() -> None:
+    c = cfg("llama3_8b", 32)
+    lay = best_layout(c.model, c.cluster, c.train, 8)
+    assert lay.world_size == 8 and lay.global_batch == 32
+    big = cfg("llama3_405b", 1)
+    with pytest.raises(ConfigError) as e:
+        best_layout(big.model, big.cluster, big.train, 1)
+    assert e.value.key == "layout" and e.value.value == "auto"
+
+
+def test_optuna_within_two_percent_of_exhaustive() -> None:
+    c = cfg("llama3_70b", 512)
+    r = rank_layouts(c.model, c.cluster, c.train, 256)
+    best = float(r.tokens_per_s[r.order[0]])
+    res = optuna_search(c.model, c.cluster, c.train, 256, n_trials=100, seed=3)
+    assert res.layout is not None
+    assert res.tokens_per_s >= 0.98 * best
+    infeasible = [t for t in res.study.trials if "infeasible" in t.user_attrs]
+    assert len(infeasible) == res.n_infeasible > 0

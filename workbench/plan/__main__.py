@@ -1,0 +1,101 @@
+"""`python -m workbench.plan model=... cluster=... cluster.nodes=... train.global_batch=...`
+
+Ranks every layout of the model on the cluster's GPUs with the cost model, prints the top 10
+and why the others were rejected, and writes the full ranking to a CSV. Hydra overrides pick the
+inputs; `--out PATH`, `--top N`, `--world-size N` and `--optuna N` (also run an N-trial Optuna
+search and report it) are the command's own options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+
+from workbench.cli import InputError, compose, guarded
+from workbench.plan.hardware import GIB
+from workbench.plan.search import REASONS, Ranking, rank_layouts
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InputError(f"{self.prog}: {message}")
+
+
+def write_ranking(path: Path, r: Ranking) -> None:
+    """Feasible layouts best first, then the rejected ones with their reason (via a temp file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    rejected = [i for i in range(len(r)) if r.reason[i] > 0]
+    with tmp.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["rank", "layout", "tokens_per_s", "mfu", "step_time_s", "peak_mem_gib",
+                    "fits", "rejected_because"])
+        for rank, i in enumerate(r.order, 1):
+            w.writerow([rank, r.layout(int(i)).key(), f"{r.tokens_per_s[i]:.6g}",
+                        f"{r.mfu[i]:.4f}", f"{r.step_time_s[i]:.6g}",
+                        f"{r.peak_mem_bytes[i] / GIB:.4g}", "true", ""])
+        for i in rejected:
+            mem = r.peak_mem_bytes[i]
+            w.writerow(["", _key_or_degrees(r, i), "", "", "",
+                        "" if math.isnan(mem) else f"{mem / GIB:.4g}", "false",
+                        REASONS[int(r.reason[i])]])
+    tmp.replace(path)
+
+
+def _key_or_degrees(r: Ranking, i: int) -> str:
+    a = r.arrays
+    if r.arrays["ga"][i] >= 1:
+        return r.layout(i).key()
+    return (f"dpr{int(a['dpr'][i])}_dps{int(a['dps'][i])}_tp{int(a['tp'][i])}_pp{int(a['pp'][i])}"
+            f"_cp{int(a['cp'][i])}_mb{int(a['mb'][i])}")
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="python -m workbench.plan",
+                description="Rank every parallel layout with the cost model.")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama3_70b")
+    p.add_argument("--out", type=Path, default=None, help="ranking CSV (default plan-*.csv)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--world-size", type=int, default=0,
+                   help="GPUs (default cluster.nodes * cluster.gpus_per_node)")
+    p.add_argument("--optuna", type=int, default=0, help="also run an N-trial Optuna search")
+    args = p.parse_args(argv)
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise InputError(f"override {bad[0]!r}: use key=value (e.g. model=llama3_70b)")
+    cfg = compose(args.overrides)
+    world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank)
+    hbm = r.hbm_bytes / GIB
+    print(f"{cfg.model.name} on {world} x {cfg.cluster.gpu} ({cfg.cluster.name}), global batch "
+          f"{cfg.train.global_batch} x seq {cfg.model.seq_len}: {len(r)} layouts, "
+          f"{len(r.order)} feasible")
+    print(f"{'#':>3}  {'layout':<52}{'tokens/s':>12}{'tok/s/GPU':>11}{'MFU':>7}"
+          f"{'mem GiB':>9}{'headroom':>10}")
+    for rank, i in enumerate(r.order[: args.top], 1):
+        mem = r.peak_mem_bytes[i] / GIB
+        print(f"{rank:>3}  {r.layout(int(i)).key():<52}{r.tokens_per_s[i]:>12.4g}"
+              f"{r.tokens_per_s[i] / world:>11.1f}{r.mfu[i]:>7.1%}{mem:>9.1f}{hbm - mem:>10.1f}")
+    print("rejected:")
+    for reason, n in sorted(r.rejected().items(), key=lambda x: -x[1]):
+        print(f"  {n:>9}  {reason}")
+    out = args.out or Path(f"plan-{cfg.model.name}-{world}gpu.csv")
+    write_ranking(out, r)
+    print(f"full ranking: {out}")
+    if args.optuna:
+        from workbench.plan.optuna_search import optuna_search
+
+        res = optuna_search(cfg.model, cfg.cluster, cfg.train, world, args.optuna,
+                            cfg.train.seed, cfg.lowrank)
+        best = r.tokens_per_s[r.order[0]] if len(r.order) else float("nan")
+        key = res.layout.key() if res.layout else "none feasible"
+        print(f"optuna ({res.n_trials} trials, {res.n_infeasible} infeasible): {key} "
+              f"{res.tokens_per_s:.4g} tokens/s ({res.tokens_per_s / best:.1%} of exhaustive)")
+    return 0 if len(r.order) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main)(sys.argv[1:]))

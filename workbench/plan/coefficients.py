@@ -1,0 +1,116 @@
+"""The cost model's named coefficients: few, physical, each with where its default comes from.
+
+Calibration (workbench.plan.calibrate) changes these numbers, never the formulas. A cluster's
+YAML may override any of them in its `coeff:` mapping; an unknown name is a ConfigError so that a
+typo cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+
+from workbench.config import ClusterConfig, ConfigError
+from workbench.plan.hardware import match_gpu
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Physically meaningful knobs of the cost model (fractions are 0-1, times in seconds)."""
+
+    # Achieved fraction of dense tensor-core peak on a large GEMM. A100: cuBLAS FP16/BF16 GEMMs of
+    # Megatron shapes reach ~250-270 of 312 TFLOP/s (NVIDIA "Deep Learning Performance" guide,
+    # SC21 paper Fig. 14 microbenchmarks). H100 SXM: ~700-750 of 989 (NVIDIA H100 tuning guide).
+    mm_eff_max: float = 0.82
+    # GEMM dimension (rows or columns per rank) at which that fraction halves: tensor-core tiles
+    # are 128-256 wide, so a dimension of a few tens wastes most of a tile (wave quantization).
+    mm_dim_half: float = 40.0
+    # Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it executes
+    # (FlashAttention-2 paper: ~190/312 on A100 fwd+bwd; ~350-450/989 on H100 in torch SDPA).
+    flash_eff: float = 0.6
+    # Achieved fraction of HBM bandwidth in memory-bound kernels (STREAM-like copies reach 80-90%).
+    hbm_eff: float = 0.8
+    # HBM bytes moved by non-GEMM kernels (norms, activations, dropout, softmax, residual adds)
+    # per byte of activation a layer stores: each tensor is written once and read about once.
+    elem_traffic: float = 2.0
+    # Fixed time per layer and micro-batch per forward pass: ~10 kernel launches at 3-5 us each
+    # (CUDA launch latency) plus small-op tails that do not scale with size.
+    kernel_overhead_s: float = 40e-6
+    # Achieved FP8 over BF16 GEMM speedup including scaling and casts (peak is 2x; torchao
+    # float8 reports ~1.4-1.6x on large linears).
+    fp8_mm_speedup: float = 1.4
+    # NCCL bus bandwidth as a fraction of link bandwidth (nccl-tests on DGX A100/H100: ~230/300
+    # GB/s NVLink; 21-23/25 GB/s per HDR NIC, 45/50 per NDR NIC).
+    link_eff_intra: float = 0.77
+    link_eff_inter: float = 0.85
+    # Per-collective latency per log2 step of a tree/ring (nccl-tests small-message times:
+    # ~5-10 us inside NVLink, ~15-30 us across InfiniBand).
+    coll_latency_intra_s: float = 8e-6
+    coll_latency_inter_s: float = 20e-6
+    # One pipeline send/recv of a small message (NCCL p2p over IB).
+    p2p_latency_s: float = 20e-6
+    # Fraction of tensor-parallel communication hidden behind GEMMs when the stack overlaps it
+    # (async TP / Megatron --tp-comm-overlap; vanilla TP hides none). The torchtitan async-TP
+    # note and the TE comm-overlap docs report most, not all, of it hidden.
+    tp_overlap: float = 0.7
+    # Elementwise HBM traffic with torch.compile / fused kernels relative to eager: fusion keeps
+    # intermediate tensors of norm/activation/rope chains in registers.
+    compile_elem_factor: float = 0.5
+    # Fraction of data-parallel communication hidden behind compute when the stack overlaps it
+    # (bucketed all-reduce / FSDP prefetch; PyTorch DDP paper reports most of it hidden).
+    dp_overlap: float = 0.85
+    # Fraction of context-parallel ring exchange hidden behind attention compute.
+    cp_overlap: float = 0.5
+    # Memory no tensor accounts for: CUDA context, NCCL buffers, cuBLAS workspace (~1-2 GiB).
+    mem_fixed_bytes: float = 1.5 * 2**30
+    # Caching-allocator fragmentation, as a fraction of dynamic (activation + buffer) memory.
+    mem_frag: float = 0.08
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+NAMES = tuple(f.name for f in fields(Coefficients))
+
+# Defaults by accelerator (datasheet-class facts, see the comments on each field above).
+_BY_GPU: dict[str, dict[str, float]] = {
+    "A100": {},
+    # H100 SXM: sustained ~650 of 989 TFLOP/s on large BF16 GEMMs under training load (clocks
+    # settle well under the 1.98 GHz boost; public GEMM benchmarks give 600-720).
+    "H100": {"mm_eff_max": 0.66, "flash_eff": 0.45, "link_eff_intra": 0.8},
+    "H100-PCIE": {"mm_eff_max": 0.62, "flash_eff": 0.42, "link_eff_intra": 0.8},
+    # 500 W cap (torchtitan Grand Teton): clocks scale ~ sqrt(power) near the top of the DVFS
+    # curve, (500/700)^0.5 = 0.85 of the 700 W part.
+    "H100-CAPPED": {"mm_eff_max": 0.56, "flash_eff": 0.38, "link_eff_intra": 0.8},
+    # H200: the H100 die with faster HBM; same compute clocks.
+    "H200": {"mm_eff_max": 0.66, "flash_eff": 0.45, "link_eff_intra": 0.8},
+}
+
+
+def defaults_for(gpu: str) -> Coefficients:
+    """The physical defaults for a GPU name (A100 figures where the name is unknown)."""
+    try:
+        spec = match_gpu(gpu)
+    except KeyError:
+        return Coefficients()
+    name = spec.name.upper()
+    if spec.power_capped:
+        key = "H100-CAPPED"
+    elif "PCIE" in name:
+        key = "H100-PCIE"
+    else:
+        key = next((k for k in ("H200", "H100", "A100") if k in name), "A100")
+    return replace(Coefficients(), **_BY_GPU[key])
+
+
+def coefficients(cluster: ClusterConfig, overrides: Mapping[str, float] | None = None
+                 ) -> Coefficients:
+    """Defaults for the cluster's GPU, then its calibrated `coeff:` mapping, then overrides."""
+    merged: dict[str, float] = {}
+    for source in (cluster.coeff or {}, overrides or {}):
+        for name, value in dict(source).items():
+            if name not in NAMES:
+                raise ConfigError(f"cluster.coeff.{name}", value,
+                                  f"unknown coefficient; valid: {', '.join(NAMES)}")
+            merged[name] = float(value)
+    return replace(defaults_for(cluster.gpu), **merged)

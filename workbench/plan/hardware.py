@@ -1,0 +1,108 @@
+"""Accelerator datasheet figures, matched loosely from the names people write in papers and tables.
+
+The planner needs a ClusterConfig; published tables name a GPU ("A100-SXM-80GB (Selene DGX A100)",
+"H100 96GB HBM2e (500W, Grand Teton)", "H200 141GB") and a GPU count. This module turns such a
+name into datasheet figures plus interconnect defaults, so that rows from any source can be
+estimated on the same footing. Every figure is a vendor datasheet number (dense, no sparsity).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from workbench.config import ClusterConfig
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet figures of one accelerator and its usual node."""
+
+    name: str
+    peak_bf16_flops: float  # dense tensor-core BF16/FP16, per device
+    peak_fp8_flops: float  # dense FP8 (0 where the device has none)
+    peak_fp32_flops: float
+    hbm_bytes: float
+    hbm_bw_bytes_per_s: float
+    intra_node_gbps: float  # GB/s one direction per device (NVLink / PCIe)
+    inter_node_gbps: float  # GB/s one direction per device (its NIC share)
+    gpus_per_node: int = 8
+    power_capped: bool = False  # runs below its datasheet TDP: sustained clocks are lower
+
+
+# Sources: NVIDIA A100 datasheet (312 TFLOP/s BF16, 19.5 FP32; 40GB 1,555 GB/s, 80GB 2,039 GB/s;
+# NVLink3 600 GB/s bidirectional); H100 datasheet (SXM5 989 TFLOP/s BF16, 1,979 FP8, 67 FP32,
+# 3.35 TB/s HBM3, NVLink4 900 GB/s bidirectional; PCIe 756 / 1,513 TFLOP/s, 2.0 TB/s, PCIe Gen5
+# 64 GB/s one way); H200 datasheet (989 BF16, 141 GB at 4.8 TB/s). NICs: HDR IB 200 Gb/s = 25 GB/s
+# and NDR 400 Gb/s = 50 GB/s per GPU (one NIC per GPU in DGX / Grand Teton nodes).
+GPUS: dict[str, GpuSpec] = {
+    "A100-SXM-40GB": GpuSpec("A100-SXM-40GB", 312e12, 0.0, 19.5e12, 40 * GIB, 1.555e12,
+                             300.0, 25.0),
+    "A100-SXM-80GB": GpuSpec("A100-SXM-80GB", 312e12, 0.0, 19.5e12, 80 * GIB, 2.039e12,
+                             300.0, 25.0),
+    "H100-SXM-80GB": GpuSpec("H100-SXM-80GB", 989e12, 1979e12, 67e12, 80 * GIB, 3.35e12,
+                             450.0, 50.0),
+    "H100-PCIe-80GB": GpuSpec("H100-PCIe-80GB", 756e12, 1513e12, 51e12, 80 * GIB, 2.0e12,
+                              64.0, 50.0),
+    # Meta Grand Teton H100 with 96GB HBM2e run at 500 W (torchtitan benchmarks): SXM peak
+    # figures, but power-capped, so the achieved-peak coefficient defaults lower.
+    "H100-SXM-96GB": GpuSpec("H100-SXM-96GB", 989e12, 1979e12, 67e12, 96 * GIB, 3.35e12,
+                             450.0, 50.0, power_capped=True),
+    "H200-SXM-141GB": GpuSpec("H200-SXM-141GB", 989e12, 1979e12, 67e12, 141e9, 4.8e12,
+                              450.0, 50.0),
+}
+
+
+def match_gpu(name: str) -> GpuSpec:
+    """The spec for a loosely written GPU name; KeyError (with the known names) if none fits.
+
+    Why loose: published tables write "A100 80GB", "A100-SXM-80GB (Selene)", "H100 (80GB)",
+    "H100 94-95GB HBM2e"; a planner that only took exact keys would reject most real rows.
+    """
+    text = (name or "").upper()
+    if text in (k.upper() for k in GPUS):
+        return GPUS[next(k for k in GPUS if k.upper() == text)]
+    mem = [int(m) for m in re.findall(r"(\d{2,3})\s*-?\s*GB", text)]
+    if "A100" in text:
+        return GPUS["A100-SXM-40GB" if mem and max(mem) <= 40 else "A100-SXM-80GB"]
+    if "H200" in text:
+        return GPUS["H200-SXM-141GB"]
+    if "H100" in text:
+        if "PCIE" in text:
+            return GPUS["H100-PCIe-80GB"]
+        if (mem and max(mem) >= 90) or "500W" in text or "LOWER TDP" in text:
+            return GPUS["H100-SXM-96GB"]
+        return GPUS["H100-SXM-80GB"]
+    raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (matched loosely)")
+
+
+def spec_of_cluster(cluster: ClusterConfig) -> tuple[GpuSpec, float]:
+    """The cluster's figures as a GpuSpec plus its FP8 peak (datasheet when the name matches)."""
+    try:
+        fp8 = match_gpu(cluster.gpu).peak_fp8_flops
+        capped = match_gpu(cluster.gpu).power_capped
+    except KeyError:
+        fp8, capped = 0.0, False
+    peak16 = float(cluster.peak_bf16_flops)
+    spec = GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
+                   float(cluster.hbm_bytes), float(cluster.hbm_bw_bytes_per_s),
+                   float(cluster.intra_node_gbps), float(cluster.inter_node_gbps),
+                   int(cluster.gpus_per_node), capped)
+    return spec, spec.peak_fp8_flops
+
+
+def cluster_for(gpu_name: str, n_gpus: int, gpus_per_node: int | None = None,
+                coeff: dict[str, float] | None = None) -> ClusterConfig:
+    """A ClusterConfig for n_gpus of a loosely named GPU, with its usual node size and NICs."""
+    spec = match_gpu(gpu_name)
+    g = int(gpus_per_node or spec.gpus_per_node)
+    return ClusterConfig(name=spec.name, gpu=spec.name, device="cuda",
+                         nodes=max(1, -(-int(n_gpus) // g)), gpus_per_node=g,
+                         peak_bf16_flops=spec.peak_bf16_flops,
+                         peak_fp16_flops=spec.peak_bf16_flops,
+                         peak_fp32_flops=spec.peak_fp32_flops, hbm_bytes=spec.hbm_bytes,
+                         hbm_bw_bytes_per_s=spec.hbm_bw_bytes_per_s,
+                         intra_node_gbps=spec.intra_node_gbps,
+                         inter_node_gbps=spec.inter_node_gbps, coeff=dict(coeff or {}))

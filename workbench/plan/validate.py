@@ -1,0 +1,216 @@
+"""`python -m workbench.plan.validate --csv IN --out OUT`: predict published training runs.
+
+Reads rows in the schema of shared/calibration/published_layouts.csv and writes every input
+column plus the predictions. A row that cannot be estimated (unknown GPU, missing degree) gets
+its reason in `pred_error` instead of stopping the file: one bad row must not hide the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.cli import InputError, guarded
+from workbench.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
+from workbench.layout import Layout
+from workbench.layout import validate as validate_layout
+from workbench.plan.coefficients import Coefficients, coefficients
+from workbench.plan.costmodel import Estimate, estimate
+from workbench.plan.hardware import GIB, cluster_for
+from workbench.plan.terms import Software
+
+REQUIRED = ("n_layers", "hidden", "n_heads", "seq_len", "gpu_type", "n_gpus", "tp", "pp", "dp")
+PRED_COLUMNS = ("pred_step_time_s", "pred_tokens_per_s_per_gpu", "pred_tflops_per_gpu",
+                "pred_hw_tflops_per_gpu", "pred_mfu", "pred_peak_mem_gib", "pred_fits",
+                "pred_error")
+
+
+def default_csv() -> Path:
+    """shared/calibration/published_layouts.csv beside the repository (the CI clone layout)."""
+    import workbench
+
+    return Path(workbench.__file__).resolve().parents[1].parent / "shared" / "calibration" / \
+        "published_layouts.csv"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One published row as typed planner inputs."""
+
+    model: ModelConfig
+    cluster: ClusterConfig
+    train: TrainConfig
+    layout: Layout
+    software: Software
+
+
+def _int(row: dict[str, str], key: str, default: int | None = None) -> int:
+    text = (row.get(key) or "").strip()
+    if not text:
+        if default is None:
+            raise ValueError(f"missing {key}")
+        return default
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not a number") from None
+
+
+def _software(precision: str, notes: str) -> Software:
+    """FP16-era rows (Megatron 2021-22) ran without fused attention, with dropout, with grads
+    reduced in FP16 and not overlapped; BF16/FP8 rows are the modern flash-attention stacks."""
+    p, n = precision.upper(), notes.lower().replace(" ", "")
+    facts = {"overlap_tp": "asynctp" in n or "tp-comm-overlap" in n, "compiled": "compile" in n}
+    if "FP8" in p:
+        return Software(precision="fp8", **facts)
+    if "FP16" in p:
+        return Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=False,
+                        grad_reduce_bytes=2.0, **facts)
+    if "FP32" in p and "BF16" not in p:
+        return Software(precision="fp32", **facts)
+    return Software(precision="bf16", **facts)
+
+
+def _recompute(text: str) -> str:
+    t = text.strip().lower()
+    if t.startswith("full"):
+        return "full"
+    if t.startswith("sel"):
+        return "selective"
+    return "none"
+
+
+def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case:
+    """Typed inputs for one row; ValueError / KeyError / ConfigError say why it cannot be."""
+    for key in REQUIRED:
+        if not (row.get(key) or "").strip():
+            raise ValueError(f"missing {key}")
+    n_kv = (row.get("n_kv_heads") or "").strip()
+    hidden = _int(row, "hidden")
+    model = ModelConfig(name=row.get("model") or "row", family="llama" if n_kv else "gpt2",
+                        n_layers=_int(row, "n_layers"), hidden=hidden,
+                        n_heads=_int(row, "n_heads"), n_kv_heads=_int(row, "n_kv_heads",
+                                                                      _int(row, "n_heads")),
+                        ffn_hidden=_int(row, "ffn_hidden", 4 * hidden),
+                        vocab=_int(row, "vocab", 51200), seq_len=_int(row, "seq_len"),
+                        tie_embeddings=not n_kv)
+    n_gpus = _int(row, "n_gpus")
+    cluster = cluster_for(row["gpu_type"], n_gpus, _int(row, "gpus_per_node", 8), coeff)
+    tp, pp, dp = _int(row, "tp"), _int(row, "pp"), _int(row, "dp")
+    cpsp = (row.get("cp_or_sp") or "").upper()
+    m = re.search(r"CP\s*=\s*(\d+)", cpsp)
+    cp = int(m.group(1)) if m else 1
+    shard = (row.get("zero_or_fsdp") or "").upper()
+    # PyTorch FSDP2 + TP (torchtitan) always shards norms/residuals along the sequence.
+    sp = tp > 1 and (cpsp.startswith("SP") or "FSDP2" in shard)
+    mb = _int(row, "micro_batch", 1)
+    if not (row.get("global_batch") or "").strip() and pp > 1:
+        raise ValueError("missing global_batch (the pipeline schedule depends on it)")
+    gb = _int(row, "global_batch", mb * dp)  # pp == 1: one micro-batch per step
+    if gb % (dp * mb):
+        raise ValueError(f"global_batch {gb} is not a multiple of dp*micro_batch {dp * mb}")
+    v = _int(row, "virtual_stages", 1)
+    sched = "interleaved_1f1b" if v > 1 and pp > 1 else "1f1b"
+    sharded = "FSDP" in shard or "ZERO-3" in shard or "ZERO3" in shard
+    layout = Layout(dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1, tp=tp,
+                    pp=pp, cp=cp, sequence_parallel=sp, micro_batch=mb,
+                    grad_accum=gb // (dp * mb), recompute=_recompute(row.get("recompute") or ""),
+                    pp_schedule=sched, virtual_stages=v if pp > 1 else 1)
+    if layout.pp > 1 and layout.grad_accum < layout.pp:
+        layout = Layout(**{**layout.__dict__, "pp_schedule": "gpipe"})
+    try:
+        validate_layout(layout, model, layout.world_size)
+    except ConfigError as e:  # torchtitan and Megatron allow uneven pipeline stages
+        if not (e.key == "layout.pp" and "n_layers" in e.valid):
+            raise
+    if layout.world_size != n_gpus:
+        raise ValueError(f"tp*pp*dp*cp={layout.world_size} != n_gpus {n_gpus}")
+    train = TrainConfig(global_batch=gb, micro_batch=mb, dtype="bf16")
+    return Case(model, cluster, train, layout, _software(row.get("precision") or "BF16",
+                                                              row.get("notes") or ""))
+
+
+def predict_case(case: Case, coeff: Coefficients | None = None) -> Estimate:
+    co = coeff or coefficients(case.cluster)
+    return estimate(case.model, case.cluster, case.train, case.layout, software=case.software,
+                    coeff=co)
+
+
+def predict_row(row: dict[str, str], coeff: dict[str, float] | None = None
+                ) -> dict[str, str]:
+    """The prediction columns for one row; never raises."""
+    out = {k: "" for k in PRED_COLUMNS}
+    try:
+        case = row_case(row, coeff)
+        est = predict_case(case)
+    except (ValueError, KeyError, ConfigError, ZeroDivisionError) as e:
+        out["pred_error"] = " ".join(str(e).strip("'\"").split())
+        return out
+    n = case.layout.world_size
+    out.update({
+        "pred_step_time_s": f"{est.step_time_s:.6g}",
+        "pred_tokens_per_s_per_gpu": f"{est.tokens_per_s / n:.6g}",
+        "pred_tflops_per_gpu": f"{est.model_flops_per_step / est.step_time_s / n / 1e12:.6g}",
+        "pred_hw_tflops_per_gpu": f"{est.hw_flops_per_step / est.step_time_s / n / 1e12:.6g}",
+        "pred_mfu": f"{est.mfu:.4f}", "pred_peak_mem_gib": f"{est.peak_mem_bytes / GIB:.4g}",
+        "pred_fits": "true" if est.fits else "false"})
+    return out
+
+
+def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The header and rows of a CSV; InputError if it is missing or not a CSV of this schema."""
+    if not path.is_file():
+        raise InputError(f"--csv {path}: no such file")
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            rows = list(reader)
+            header = list(reader.fieldnames or [])
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise InputError(f"--csv {path}: cannot parse as CSV ({e})") from None
+    missing = [k for k in REQUIRED if k not in header]
+    if missing:
+        raise InputError(f"--csv {path}: not in the published_layouts schema; missing columns "
+                         f"{', '.join(missing)}")
+    return header, rows
+
+
+def write_rows(path: Path, header: Sequence[str], rows: list[dict[str, str]]) -> None:
+    """Write via a temporary file, so a failure never leaves half a CSV behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(header), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(path)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InputError(f"{self.prog}: {message}")
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="python -m workbench.plan.validate",
+                description="Predict every row of a published-layouts CSV.")
+    p.add_argument("--csv", type=Path, default=None,
+                   help="input rows (default: ../shared/calibration/published_layouts.csv)")
+    p.add_argument("--out", type=Path, required=True, help="output CSV")
+    args = p.parse_args(argv)
+    header, rows = read_rows(args.csv or default_csv())
+    out_rows = [{**row, **predict_row(row)} for row in rows]
+    cols = header + [c for c in PRED_COLUMNS if c not in header]
+    write_rows(args.out, cols, out_rows)
+    bad = sum(1 for r in out_rows if r["pred_error"])
+    print(f"wrote {len(out_rows)} rows to {args.out} ({bad} could not be estimated)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main)(sys.argv[1:]))

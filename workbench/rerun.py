@@ -1,0 +1,79 @@
+"""`python -m workbench.rerun RUN_ID`: run again exactly what an MLflow run ran.
+
+The config comes from the run's manifest artifact, not from the current conf/ files, so a rerun
+reproduces the original even after presets changed; what did change in the code or environment
+since (commit, uncommitted edits, packages, torch, data) is printed before training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import List
+
+from omegaconf import OmegaConf
+
+from workbench.cli import InputError, guarded
+from workbench.config import RunConfig, TrackingConfig, validate
+from workbench.data.corpus import load as load_data
+from workbench.track import manifest as manifests
+
+
+def fetch_manifest(tracking: TrackingConfig, run_id: str) -> dict:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking.resolved_uri())
+    try:
+        client.get_run(run_id)
+    except MlflowException:
+        raise InputError(f"run_id={run_id!r}: no such run in {tracking.resolved_uri()}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(run_id, "manifest/manifest.json", tmp)
+        except (MlflowException, OSError):
+            raise InputError(f"run_id={run_id!r}: has no manifest/manifest.json artifact; "
+                             "it was not recorded by workbench.run") from None
+        return json.loads(Path(path).read_text())
+
+
+@guarded
+def main(argv: List[str]) -> int:
+    if len(argv) < 1:
+        raise InputError("usage: python -m workbench.rerun RUN_ID [tracking.uri=URI]")
+    run_id, rest = argv[0], argv[1:]
+    tracking = TrackingConfig()
+    for ov in rest:
+        key, _, value = ov.partition("=")
+        if key != "tracking.uri":
+            raise InputError(f"{ov}: only tracking.uri=URI may follow the run id")
+        tracking.uri = value
+    old = fetch_manifest(tracking, run_id)
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig),
+                             OmegaConf.create(old["config_yaml"]))
+    cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    cfg.train.run_dir = ""  # a new run folder; the original stays untouched
+    cfg.tracking.uri = tracking.uri or cfg.tracking.uri
+    validate(cfg)
+    current = manifests.build(old["config_yaml"], old.get("overrides", []), cfg.train.seed,
+                              load_data(cfg.data).fingerprint)
+    diffs = manifests.differences(old, current)
+    for line in diffs:
+        print(f"differs from the original: {line}", file=sys.stderr)
+    if not diffs:
+        print("code, environment and data match the original run", file=sys.stderr)
+    from workbench.launch import make_launcher
+    from workbench.run import launch, prepare_job, summary
+
+    world_size = make_launcher(cfg.launcher).world_size()
+    tags = {"wb.rerun_of": run_id, "wb.rerun_differs": str(bool(diffs)).lower()}
+    job = prepare_job(cfg, old.get("overrides", []), world_size, extra_tags=tags)
+    last = launch(cfg, job)
+    print(summary(cfg, job, last))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
