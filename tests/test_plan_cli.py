@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from workbench.cli import guarded
 from workbench.config import CONF_DIR
 from workbench.plan import __main__ as plan_main
 from workbench.plan import calibrate, validate
@@ -106,3 +107,64 @@ def test_unparseable_csv_exits_2(tmp_path) -> None:
                        check=False)
     assert p.returncode == 2 and p.stderr.startswith("error: ")
     assert not (tmp_path / "o.csv").exists()
+
+
+def test_calibrate_from_mlflow_recovers_a_known_coefficient(tmp_path, capsys) -> None:
+    """Runs in a real sqlite MLflow store, measured = the model's prediction at mm_eff_max=0.5
+    (x a little noise), so the fit must move the H100 default (0.66) back to about 0.5."""
+    import warnings
+    from dataclasses import replace
+
+    from mlflow.tracking import MlflowClient
+
+    from workbench.cli import compose
+    from workbench.layout import Layout
+    from workbench.plan.coefficients import coefficients
+    from workbench.plan.costmodel import estimate, software_for
+
+    conf = tmp_path / "conf"
+    (conf / "cluster").mkdir(parents=True)
+    shutil.copy(CONF_DIR / "cluster" / "h100_80g_8x_ib.yaml", conf / "cluster")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.create_experiment("cal", artifact_location=str(tmp_path / "art"))
+        for gb, key in ((16, "dpr1_dps8_tp1_pp1_cp1_mb1_ga2_rc-full"),
+                        (32, "dpr1_dps4_tp2_pp1_cp1_sp_mb2_ga4_rc-selective"),
+                        (16, "dpr2_dps1_tp4_pp1_cp1_sp_mb1_ga8_rc-none")):
+            cfg = compose(["model=llama3_8b", "cluster=h100_80g_8x_ib",
+                           f"train.global_batch={gb}"])
+            lay = Layout.from_key(key)
+            truth = replace(coefficients(cfg.cluster), mm_eff_max=0.5)
+            est = estimate(cfg.model, cfg.cluster, cfg.train, lay)
+            meas = estimate(cfg.model, cfg.cluster, cfg.train, lay, coeff=truth).step_time_s
+            assert software_for(cfg.train, cfg.cluster).precision == "bf16"
+            run = client.create_run(exp).info.run_id
+            params = {f"model.{k}": v for k, v in vars(cfg.model).items()}
+            params |= {f"train.{k}": v for k, v in vars(cfg.train).items()}
+            params |= {"cluster.gpu": cfg.cluster.gpu, "cluster.name": cfg.cluster.name,
+                       "layout": key}
+            for k, v in params.items():
+                client.log_param(run, k, v)
+            for name, v in est.as_metrics().items():
+                client.log_metric(run, f"pred/{name}", v, step=0)
+            for step, f in enumerate((3.0, 1.01, 0.99, 1.0)):  # step 0 is warm-up
+                client.log_metric(run, "step_time_s", meas * f, step=step)
+            client.set_terminated(run)
+        client.create_run(exp)  # a run without predictions is skipped, not fatal
+    rc = calibrate.main(["--cluster", "h100_80g_8x_ib", "--mlflow-uri", uri, "--experiment",
+                         "cal", "--conf-dir", str(conf), "--fit", "mm_eff_max"])
+    assert rc == 0
+    from workbench.plan.calibrate import _load_cluster
+
+    fitted = _load_cluster(conf / "cluster" / "h100_80g_8x_ib.yaml").coeff["mm_eff_max"]
+    assert abs(fitted - 0.5) < 0.01
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # bad input: exit 2, one line naming the experiment
+        guarded(calibrate.main)(["--cluster", "h100_80g_8x_ib", "--mlflow-uri", uri,
+                                 "--experiment", "nope", "--conf-dir", str(conf), "--dry-run"])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]

@@ -1,7 +1,9 @@
-"""`python -m workbench.plan.calibrate --cluster NAME --csv MEASURED.csv [--fit a,b] [--dry-run]`
+"""`python -m workbench.plan.calibrate --cluster NAME (--csv MEASURED.csv | --mlflow-uri URI
+[--experiment NAME]) [--fit a,b] [--dry-run]`
 
-Fits a few named coefficients of one cluster to measured runs (rows in the published_layouts
-schema whose GPU matches the cluster's) and writes them into conf/cluster/NAME.yaml under
+Fits a few named coefficients of one cluster to measurements (rows in the published_layouts
+schema whose GPU matches the cluster's, or MLflow runs that logged `pred/step_time_s` beside
+measured `step_time_s`, see calibrate_mlflow) and writes them into conf/cluster/NAME.yaml under
 `coeff:`, keeping the file's comments. Only coefficients change, never formulas; each is kept
 inside a physically plausible range, so a fit cannot buy accuracy with nonsense.
 """
@@ -87,6 +89,14 @@ def fit(cases: Sequence[tuple[Case, str, float]], start: Coefficients, names: Se
                 loss = _loss(cases, trial)
                 if loss < best[0]:
                     best = (loss, x)
+            step = (hi - lo) / (grid - 1)
+            for _ in range(3):  # refine around the best grid point
+                for x in (best[1] - step / 2, best[1] + step / 2):
+                    if lo <= x <= hi:
+                        loss = _loss(cases, replace(co, **{name: x}))
+                        if loss < best[0]:
+                            best = (loss, x)
+                step /= 2
             co = replace(co, **{name: best[1]})
     return co
 
@@ -120,7 +130,11 @@ def main(argv: list[str]) -> int:
     p = _Parser(prog="python -m workbench.plan.calibrate",
                 description="Fit a cluster's cost-model coefficients to measurements.")
     p.add_argument("--cluster", required=True, help="conf/cluster/NAME.yaml to calibrate")
-    p.add_argument("--csv", type=Path, required=True, help="measured rows (published schema)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--csv", type=Path, help="measured rows (published schema)")
+    src.add_argument("--mlflow-uri", help="MLflow tracking URI of runs that logged "
+                     "pred/step_time_s beside measured step_time_s")
+    p.add_argument("--experiment", default=None, help="MLflow experiment (default: all)")
     p.add_argument("--fit", default=",".join(DEFAULT_FIT),
                    help=f"coefficients to fit (of {', '.join(BOUNDS)})")
     p.add_argument("--conf-dir", type=Path, default=CONF_DIR, help="config folder")
@@ -139,15 +153,25 @@ def main(argv: list[str]) -> int:
 
     cluster = compose([f"cluster={args.cluster}"]).cluster if args.conf_dir == CONF_DIR else \
         _load_cluster(path)
-    _, rows = read_rows(args.csv)
-    cases = load_cases(rows, cluster)
-    if not cases:
-        raise InputError(f"--csv {args.csv}: no usable rows for GPU {cluster.gpu}")
+    if args.mlflow_uri:
+        from workbench.plan.calibrate_mlflow import load_mlflow_cases
+
+        cases, skipped = load_mlflow_cases(args.mlflow_uri, args.experiment, cluster)
+        if not cases:
+            raise InputError(f"--mlflow-uri {args.mlflow_uri}: no run with pred/step_time_s "
+                             f"and measured step_time_s on {cluster.gpu} ({len(skipped)} "
+                             "skipped" + (f"; first: {skipped[-1]})" if skipped else ")"))
+    else:
+        _, rows = read_rows(args.csv)
+        cases = load_cases(rows, cluster)
+        if not cases:
+            raise InputError(f"--csv {args.csv}: no usable rows for GPU {cluster.gpu}")
     start = coefficients(cluster)
     before = error_pct(cases, start)
     fitted = fit(cases, start, names)
     after = error_pct(cases, fitted)
-    print(f"{args.cluster}: {len(cases)} measured rows on {cluster.gpu}")
+    print(f"{args.cluster}: {len(cases)} measured {'runs' if args.mlflow_uri else 'rows'} on "
+          f"{cluster.gpu}")
     print(f"median abs error before {before:.1f}% -> after {after:.1f}%")
     new = {**{k: float(v) for k, v in (cluster.coeff or {}).items()},
            **{n: getattr(fitted, n) for n in names}}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
+from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig, compute_dtype
 from workbench.layout import RECOMPUTE, SCHEDULES, Layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.hardware import GpuSpec, spec_of_cluster
@@ -59,9 +59,11 @@ class Estimate:
         return out
 
 
-def software_for(train: TrainConfig) -> Software:
-    """The stack this repository trains with: fused attention, no dropout, overlapped DP."""
-    return Software(precision="fp32" if train.dtype == "fp32" else "bf16")
+def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
+    """The stack this repository trains with: fused attention, no dropout, overlapped DP, in the
+    dtype a run on this cluster computes in (`auto`: bf16 on cuda, fp32 on cpu)."""
+    return Software(precision=compute_dtype(train, cluster),
+                    compiled=bool(getattr(train, "compile", False)))
 
 
 def layout_arrays(layouts: list[Layout]) -> dict[str, np.ndarray]:
@@ -100,7 +102,7 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, lay
     ms = model_shape(model, lowrank)
     hw = hardware_for(cluster)
     co = coeff or coefficients(cluster)
-    sw = software or software_for(train)
+    sw = software or software_for(train, cluster)
     a = layout_arrays([layout])
     gb = float(layout.global_batch)
     t = evaluate(ms, hw, co, sw, a, gb)

@@ -1,22 +1,36 @@
 """Optuna ask/tell over the layout space, for spaces too large to enumerate and for measured
 search later (the same ask/tell loop can tell a measured throughput instead of a predicted one).
 
-Infeasible layouts are told, not skipped: structurally invalid ones and those that do not fit get
-a constraint value > 0 (Trial.set_constraint, Optuna 5) and their reason as a user attribute, so a
-study on disk records why each was never launched.
+The space is parametrized for TPE, not as a flat bag of categories:
+- degrees (tp, pp, cp) and the micro-batch are ordered integers indexing their valid values
+  (log2-spaced for power-of-two worlds), so TPE can model "a bit more TP" as a neighbour;
+- invalid combinations are repaired where the repair is obvious (cp lowered until tp*pp*cp
+  divides the world; micro-batch lowered until dp*micro_batch divides the global batch and a
+  pipeline gets >= pp micro-batches), so few trials are spent on structural errors;
+- recompute is not sampled: each trial uses the lightest recompute that fits in memory (a
+  memory check of that one layout, as a launcher does before any launch; recomputing more than
+  memory needs never makes a step faster), which removes the rc x memory cliff TPE stalls on;
+- the last `local_share` of the budget is a first-improvement neighbourhood search around the
+  best trial so far (one parameter one step away), enqueued as ordinary trials.
+No trial is seeded from the exhaustive ranking. Infeasible layouts are told, not skipped: they
+get a constraint value > 0 (Trial.set_constraint) and their reason as a user attribute.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import optuna
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
-from workbench.layout import RECOMPUTE, SCHEDULES, Layout
+from workbench.layout import SCHEDULES, Layout
 from workbench.plan.search import MICRO_BATCHES, REASONS, SCHED_V, _reasons, divisors, score
+
+NOT_FIT = len(REASONS) - 1
 
 
 @dataclass
@@ -28,63 +42,159 @@ class SearchResult:
     study: optuna.Study
 
 
+@dataclass
+class _Space:
+    """Valid values of each sampled parameter (ordered where order means something)."""
+
+    tp: list[int]
+    pp: list[int]
+    cp: list[int]
+    mb: list[int]
+    dp_mode: tuple[str, ...] = ("shard", "hybrid", "replicate")
+    sched: tuple[str, ...] = tuple(f"{SCHEDULES[s]}-v{v}" for s, v in SCHED_V)
+
+    def suggest(self, trial: optuna.Trial) -> dict:
+        p = {k: trial.suggest_int(f"{k}_i", 0, len(getattr(self, k)) - 1)
+             for k in ("tp", "pp", "cp", "mb")}
+        p["dp_mode"] = trial.suggest_categorical("dp_mode", list(self.dp_mode))
+        # conditional: a schedule only means something with pp > 1, SP only with tp > 1
+        p["sp"] = self.tp[p["tp"]] > 1 and trial.suggest_categorical("sp", [False, True])
+        p["sched"] = trial.suggest_categorical("sched", list(self.sched)) \
+            if self.pp[p["pp"]] > 1 else self.sched[1]
+        return p
+
+    def neighbours(self, params: dict) -> list[dict]:
+        """Trial params one step away: one or two indices +-1 (two: e.g. more cp with a
+        smaller micro-batch keeps the tokens per rank), or another value of one categorical."""
+        out = []
+        ints = ("tp", "pp", "cp", "mb")
+        for n, k in enumerate(ints):
+            for d in (-1, 1):
+                i = params[f"{k}_i"] + d
+                if not 0 <= i < len(getattr(self, k)):
+                    continue
+                out.append({**params, f"{k}_i": i})
+                for k2 in ints[n + 1:]:
+                    for d2 in (-1, 1):
+                        j = params[f"{k2}_i"] + d2
+                        if 0 <= j < len(getattr(self, k2)):
+                            out.append({**params, f"{k}_i": i, f"{k2}_i": j})
+        for k, values in (("dp_mode", self.dp_mode), ("sp", (False, True)),
+                          ("sched", self.sched)):
+            out += [{**params, k: v} for v in values if v != params[k]]
+        return out
+
+
+def _space(model: ModelConfig, world: int) -> _Space:
+    g = math.gcd(math.gcd(model.n_heads, model.n_kv_heads), model.ffn_hidden)
+    divs = divisors(world)
+    return _Space(tp=[d for d in divs if g % d == 0],
+                  pp=[d for d in divs if model.n_layers % d == 0],
+                  cp=[d for d in divs if model.seq_len % d == 0 and d <= 32],
+                  mb=list(MICRO_BATCHES))
+
+
+def _layout_arrays(sp: _Space, p: dict, world: int, gb: int, gpn: int) -> dict | None:
+    """The layout a trial's parameters stand for, after the obvious repairs (None: no repair)."""
+    tp, pp = sp.tp[p["tp_i"]], sp.pp[p["pp_i"]]
+    cps = [c for c in sp.cp[: p["cp_i"] + 1] if world % (tp * pp * c) == 0]
+    if not cps:
+        return None
+    cp = cps[-1]
+    rest = world // (tp * pp * cp)
+    dps = {"shard": rest, "replicate": 1, "hybrid": math.gcd(rest, max(1, gpn // (tp * cp)))}[
+        p["dp_mode"]]
+    sched, v = p["sched"].rsplit("-v", 1)
+    s, v = (SCHEDULES.index(sched), int(v)) if pp > 1 else (1, 1)
+    per_mb = rest * (pp if pp > 1 and s > 0 else 1)
+    mbs = [m for m in sp.mb[: p["mb_i"] + 1] if gb % (rest * m) == 0 and gb // (rest * m) >= 1
+           and gb >= per_mb * m]
+    mb = mbs[-1] if mbs else sp.mb[0]
+    return {"dpr": rest // dps, "dps": dps, "tp": tp, "pp": pp, "cp": cp, "mb": mb, "rc": 0,
+            "sp": int(p["sp"] and tp > 1), "sched": s, "v": v}
+
+
 def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
                   world_size: int, n_trials: int = 100, seed: int = 0,
                   lowrank: LowRankConfig | None = None,
-                  storage: str | None = None, study_name: str | None = None
-                  ) -> SearchResult:
-    """Seeded TPE search maximizing predicted tokens/s; returns the best feasible layout."""
+                  storage: str | None = None, study_name: str | None = None,
+                  local_share: float = 0.5) -> SearchResult:
+    """Seeded TPE search (then a local search) maximizing predicted tokens/s; returns the best
+    feasible layout. Every trial, feasible or not, counts against `n_trials`."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    g = math.gcd(math.gcd(model.n_heads, model.n_kv_heads), model.ffn_hidden)
-    divs = divisors(world_size)
-    choices = {
-        "tp": [d for d in divs if g % d == 0],
-        "pp": [d for d in divs if model.n_layers % d == 0],
-        "cp": [d for d in divs if model.seq_len % d == 0 and d <= 32],
-        "dp_mode": ["shard", "replicate", "hybrid"],
-        "micro_batch": list(MICRO_BATCHES),
-        "recompute": list(RECOMPUTE),
-        "sequence_parallel": [False, True],
-        "schedule": [f"{SCHEDULES[s]}-v{v}" for s, v in SCHED_V],
-    }
-    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    space, gb = _space(model, world_size), int(train.global_batch)
+    with warnings.catch_warnings():  # group= is "experimental" in Optuna 5; it handles the
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # conditionals
+        sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True,
+                                             n_startup_trials=10)
     study = optuna.create_study(direction="maximize", sampler=sampler, storage=storage,
                                 study_name=study_name, load_if_exists=bool(storage))
-    best: tuple[float, Layout | None] = (-1.0, None)
+    rng = random.Random(seed)
+    cache: dict[tuple, tuple[float, str, Layout | None]] = {}
+
+    def evaluate(a: dict) -> tuple[float, str, Layout | None]:
+        key = tuple(sorted(a.items()))
+        if key not in cache:
+            cache[key] = _score_lightest(model, cluster, train, a, lowrank)
+        return cache[key]
+
+    best: tuple[float, Layout | None, dict | None] = (-1.0, None, None)
     infeasible = 0
-    for _ in range(n_trials):
+    n_explore = n_trials - int(local_share * n_trials)
+    for k in range(n_trials):
+        if k >= n_explore and best[2] is not None:
+            fresh = []
+            for q in space.neighbours(best[2]):
+                a = _layout_arrays(space, q, world_size, gb, cluster.gpus_per_node)
+                if a is not None and tuple(sorted(a.items())) not in cache:
+                    fresh.append(q)
+            if fresh:
+                q = rng.choice(fresh)
+                study.enqueue_trial({k: v for k, v in q.items()
+                                     if k in _params_of(space, q)})
         trial = study.ask()
-        p = {k: trial.suggest_categorical(k, v) for k, v in choices.items()}
-        tp, pp, cp = p["tp"], p["pp"], p["cp"]
-        sched, v = p["schedule"].rsplit("-v", 1)
-        if pp == 1:
-            sched, v = "1f1b", "1"
-        rest = world_size // (tp * pp * cp) if world_size % (tp * pp * cp) == 0 else 0
-        reason, value = "", 0.0
-        if rest == 0:
-            reason = "tp*pp*cp must divide the world size"
-        else:
-            dps = {"shard": rest, "replicate": 1,
-                   "hybrid": math.gcd(rest, max(1, cluster.gpus_per_node // (tp * cp)))}[
-                p["dp_mode"]]
-            a = {"dpr": rest // dps, "dps": dps, "tp": tp, "pp": pp, "cp": cp,
-                 "mb": p["micro_batch"], "rc": RECOMPUTE.index(p["recompute"]),
-                 "sp": int(p["sequence_parallel"] and tp > 1),
-                 "sched": SCHEDULES.index(sched), "v": int(v)}
-            arr = {k: np.array([float(x)]) for k, x in a.items()}
-            code = int(_reasons(model, arr, train.global_batch)[0])
-            if code:
-                reason = REASONS[code]
-            else:
-                r = score(model, cluster, train, arr, lowrank)
-                value = float(r.tokens_per_s[0])
-                if r.reason[0]:
-                    reason = REASONS[int(r.reason[0])]
-                elif value > best[0]:
-                    best = (value, r.layout(0))
+        p = space.suggest(trial)
+        p = {**{f"{k}_i": p[k] for k in ("tp", "pp", "cp", "mb")},
+             **{k: p[k] for k in ("dp_mode", "sp", "sched")}}
+        a = _layout_arrays(space, p, world_size, gb, cluster.gpus_per_node)
+        value, reason, lay = (0.0, "tp*pp must divide the world size", None) if a is None \
+            else evaluate(a)
+        if not reason and value > best[0]:
+            best = (value, lay, p)
         trial.set_constraint("feasible", 1.0 if reason else -1.0)
         if reason:
             infeasible += 1
             trial.set_user_attr("infeasible", reason)
+        else:
+            trial.set_user_attr("layout", lay.key())
         study.tell(trial, value)
     return SearchResult(best[1], max(best[0], 0.0), n_trials, infeasible, study)
+
+
+def _params_of(space: _Space, q: dict) -> set[str]:
+    """The names a trial with these values suggests (sp and sched are conditional)."""
+    names = {"tp_i", "pp_i", "cp_i", "mb_i", "dp_mode"}
+    if space.tp[q["tp_i"]] > 1:
+        names.add("sp")
+    if space.pp[q["pp_i"]] > 1:
+        names.add("sched")
+    return names
+
+
+def _score_lightest(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, a: dict,
+                    lowrank: LowRankConfig | None) -> tuple[float, str, Layout | None]:
+    """(tokens/s, reason it is infeasible or "", layout) with the lightest recompute that fits."""
+    reason = ""
+    for rc in range(3):
+        arr = {k: np.array([float(x)]) for k, x in {**a, "rc": rc}.items()}
+        code = int(_reasons(model, arr, train.global_batch)[0])
+        if code:
+            return 0.0, REASONS[code], None
+        r = score(model, cluster, train, arr, lowrank)
+        code = int(r.reason[0])
+        if code == 0:
+            return float(r.tokens_per_s[0]), "", r.layout(0)
+        reason = REASONS[code]
+        if code != NOT_FIT:
+            break
+    return 0.0, reason, None

@@ -118,7 +118,7 @@ def score(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     sub = {k: v[ok] for k, v in a.items()}
     sub["ga"] = gb / (sub["dpr"] * sub["dps"] * sub["mb"])
     ms, hw = model_shape(model, lowrank), hardware_for(cluster)
-    sw = software or software_for(train)
+    sw = software or software_for(train, cluster)
     t = evaluate(ms, hw, coeff or coefficients(cluster), sw, sub, float(gb))
     n = len(reason)
     full = {k: np.full(n, np.nan) for k in ("tok", "mfu", "step", "mem")}

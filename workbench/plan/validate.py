@@ -125,14 +125,22 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
         layout = Layout(**{**layout.__dict__, "pp_schedule": "gpipe"})
     try:
         validate_layout(layout, model, layout.world_size)
-    except ConfigError as e:  # torchtitan and Megatron allow uneven pipeline stages
-        if not (e.key == "layout.pp" and "n_layers" in e.valid):
+    except ConfigError as e:
+        if not engine_only(e):
             raise
     if layout.world_size != n_gpus:
         raise ValueError(f"tp*pp*dp*cp={layout.world_size} != n_gpus {n_gpus}")
     train = TrainConfig(global_batch=gb, micro_batch=mb, dtype="bf16")
     return Case(model, cluster, train, layout, _software(row.get("precision") or "BF16",
                                                               row.get("notes") or ""))
+
+
+def engine_only(e: ConfigError) -> bool:
+    """A layout.validate rule that limits this repository's engine, not the cost of a layout:
+    published stacks allow uneven pipeline stages (torchtitan, Megatron), tied embeddings across
+    stages and SP with learned positions (Megatron), and context parallelism (CUDA only here)."""
+    return (e.key == "layout.pp" and "n_layers" in e.valid) or "tie_embeddings" in e.valid \
+        or "model.family" in e.valid or (e.key == "layout.cp" and "context-parallel" in e.valid)
 
 
 def predict_case(case: Case, coeff: Coefficients | None = None) -> Estimate:

@@ -1,0 +1,133 @@
+"""What the workbench loop costs over a bare hand-written PyTorch loop.
+
+Same model (gpt_tiny by default), same data, same batch, same process, alternating trials so that
+machine noise hits both. The workbench side is the real `loop.train` with MLflow tracking (sqlite),
+the progress bar and a checkpoint; the bare side is forward / backward / clip / AdamW step.
+Also measures the time from command start to the first training step of `python -m
+workbench.run` (a fresh process, cold imports).
+
+    python benchmarks/loop_overhead.py [--steps 60] [--trials 3] [overrides...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from workbench.cli import compose
+from workbench.data.corpus import batch_offsets, gather, load
+from workbench.job import Job
+from workbench.run import prepare_job
+from workbench.train import loop
+from workbench.train.checkpoint import CheckpointDir
+from workbench.train.engine import LocalEngine
+from workbench.track.tracker import make_tracker
+from workbench.train.model import build, cross_entropy, flops_per_token
+
+WARMUP = 5
+
+
+def bare_tokens_per_s(cfg, data, steps: int) -> float:
+    """The hand-written baseline: nothing but the math of a training step."""
+    model = build(cfg.model, cfg.train.seed)
+    opt = loop.make_optimizer(list(model.parameters()), cfg)
+    tokens = data.train.array()
+    seq, n = cfg.model.seq_len, cfg.train.global_batch
+    t_start = 0.0
+    for step in range(steps):
+        if step == WARMUP:
+            t_start = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = loop.lr_at(step, cfg)
+        x, y = gather(tokens, batch_offsets(cfg.train.seed, "train", step, n, len(tokens), seq),
+                      seq)
+        loss = cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss)
+    return (steps - WARMUP) * n * seq / (time.perf_counter() - t_start)
+
+
+def workbench_tokens_per_s(cfg, job: Job, steps: int) -> float:
+    """The real loop, timed from the end of the warm-up steps to the end of the last step
+    (logging, progress callback and the final checkpoint included; evaluation excluded)."""
+    for p in (Path(job.run_dir) / "checkpoints").glob("step_*"):
+        p.unlink()
+    marks = {}
+
+    def on_step(step: int, _m) -> None:
+        if step == WARMUP - 1:
+            marks["start"] = time.perf_counter()
+        if step == steps - 1:
+            marks["end"] = time.perf_counter()
+
+    engine = LocalEngine(build(cfg.model, cfg.train.seed), torch.device("cpu"))
+    tracker = make_tracker(cfg.tracking, job.run_id, owns_metrics=True)
+    ctx = loop.LoopContext(cfg=cfg, layout=job.the_layout(), engine=engine, data=load(cfg.data),
+                           tracker=tracker, ckpt=CheckpointDir(Path(job.run_dir) / "checkpoints"),
+                           flops_per_token=flops_per_token(cfg.model),
+                           peak_flops_per_device=cfg.cluster.peak_fp32_flops, world_size=1,
+                           on_step=on_step)
+    loop.train(ctx)
+    tracker.close()
+    return (steps - WARMUP) * cfg.train.global_batch * cfg.model.seq_len / (
+        marks["end"] - marks["start"])
+
+
+def time_to_first_step_s(workdir: Path) -> float:
+    """A fresh `python -m workbench.run`, read back from the metric the loop logs."""
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{workdir / 'cold.db'}")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-m", "workbench.run", "train.steps=2",
+                          "train.eval_every=100"], cwd=workdir, env=env, capture_output=True,
+                         text=True)
+    wall = time.time() - t0
+    if out.returncode:
+        raise SystemExit(out.stderr)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    run = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])[0]
+    print(f"  (whole 2-step command: {wall:.1f} s)")
+    return run.data.metrics["time_to_first_step_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="wb-bench-"))
+    os.chdir(work)
+    cfg = compose([f"train.steps={args.steps}", f"train.eval_every={10 * args.steps}",
+                   f"train.ckpt_every={args.steps}", f"train.run_dir={work / 'run'}",
+                   f"tracking.uri=sqlite:///{work / 'mlflow.db'}", *args.overrides])
+    job = prepare_job(cfg, args.overrides, 1)
+    data = load(cfg.data)
+    print(f"model {cfg.model.name}, batch {cfg.train.global_batch}x{cfg.model.seq_len}, "
+          f"{args.steps} steps ({WARMUP} warm-up), {torch.get_num_threads()} threads")
+    bare, wb = [], []
+    for trial in range(args.trials):
+        bare.append(bare_tokens_per_s(cfg, data, args.steps))
+        wb.append(workbench_tokens_per_s(cfg, job, args.steps))
+        print(f"  trial {trial}: bare {bare[-1]:.0f} tok/s, workbench {wb[-1]:.0f} tok/s")
+    b, w = statistics.median(bare), statistics.median(wb)
+    print(f"bare loop       : {b:10.0f} tokens/s (median of {args.trials})")
+    print(f"workbench loop  : {w:10.0f} tokens/s (median of {args.trials})")
+    print(f"ratio workbench/bare: {w / b:.3f} (target >= 0.95)")
+    print(f"time from command start to first training step: {time_to_first_step_s(work):.1f} s")
+
+
+if __name__ == "__main__":
+    main()

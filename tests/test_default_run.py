@@ -1,0 +1,48 @@
+"""The README's main job: the embedded default trains, learns and records every metric; data
+shards built by workbench.data.prepare train too."""
+
+from __future__ import annotations
+
+from conftest import FAST, cli, metric_series, only_run
+
+REQUIRED = ("loss", "val_loss", "lr", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes")
+
+
+def test_default_run_learns_and_records_every_metric(workdir):
+    out = cli("workbench.run", [], workdir)
+    assert out.returncode == 0, out.stderr
+    assert "mlflow ui --backend-store-uri" in out.stdout and "--host 127.0.0.1" in out.stdout
+    run = only_run()
+    for key in REQUIRED:
+        assert key in run.data.metrics, key
+    losses = metric_series(run.info.run_id, "loss")
+    assert [s for s, _ in losses] == list(range(300))
+    val = metric_series(run.info.run_id, "val_loss")
+    assert val[-1][1] <= 0.8 * val[0][1], val
+    assert run.data.params["model.name"] == "gpt_tiny"
+    assert run.data.tags["wb.layout"].startswith("dpr1_dps1_tp1")
+    assert run.info.status == "FINISHED"
+
+
+def test_prepare_builds_shards_that_train(workdir):
+    src = workdir / "texts"
+    src.mkdir()
+    for i in range(30):
+        (src / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox " * 400)
+    out = cli("workbench.data.prepare", [str(src), str(workdir / "shards")], workdir)
+    assert out.returncode == 0, out.stderr
+    assert (workdir / "shards" / "meta.json").exists()
+    out = cli("workbench.run", FAST + ["data=tokens", f"data.path={workdir / 'shards'}"],
+              workdir)
+    assert out.returncode == 0, out.stderr
+
+
+def test_missing_inputs_exit_2_with_one_line(workdir):
+    for module, args in [("workbench.data.prepare", ["/no/such/folder", "out"]),
+                         ("workbench.run", ["data=tokens", "data.path=/no/such/shards"]),
+                         ("workbench.train", ["/no/such/job.json"]),
+                         ("workbench.rerun", ["0123456789abcdef"])]:
+        out = cli(module, args, workdir)
+        assert out.returncode == 2, (module, out.stderr)
+        lines = [ln for ln in out.stderr.splitlines() if "INFO" not in ln]
+        assert len(lines) == 1 and lines[0].startswith("error:"), (module, out.stderr)

@@ -1,0 +1,97 @@
+"""Measured cases for calibration from MLflow runs (`calibrate --mlflow-uri URI`).
+
+A training run logs `pred/<name>` for every key of Estimate.as_metrics() at step 0 and the
+measured `step_time_s` every step; its params hold the flattened config (`model.*`,
+`cluster.*`, `train.*`) and `layout` (a Layout key). Each run that has both a prediction and a
+measurement becomes one case whose measured figure is the median step time (the first step is
+left out when there are others: it carries compilation and allocator warm-up).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import fields
+
+from workbench.cli import InputError
+from workbench.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
+from workbench.layout import Layout
+from workbench.plan.costmodel import software_for
+from workbench.plan.hardware import match_gpu
+from workbench.plan.validate import Case
+
+PRED_KEY, MEASURED_KEY = "pred/step_time_s", "step_time_s"
+
+
+def _typed(schema: type, params: dict[str, str], prefix: str):
+    """A config dataclass from the `prefix.*` params of a run, typed by its schema."""
+    from omegaconf import OmegaConf
+
+    values = {k[len(prefix) + 1:]: v for k, v in params.items()
+              if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1:]}
+    base = OmegaConf.structured(schema)
+    names = {f.name for f in fields(schema)}
+    known = {k: v for k, v in values.items() if k in names and v not in ("None", "")}
+    merged = OmegaConf.merge(base, {k: None if v == "null" else v for k, v in known.items()})
+    return OmegaConf.to_object(merged)
+
+
+def _measured(client, run_id: str) -> float | None:
+    hist = sorted(client.get_metric_history(run_id, MEASURED_KEY), key=lambda m: m.step)
+    values = [m.value for m in hist if m.value > 0]
+    if len(values) > 1:
+        values = values[1:]
+    return statistics.median(values) if values else None
+
+
+def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
+                      ) -> tuple[list[tuple[Case, str, float]], list[str]]:
+    """(cases as (Case, 'seconds_per_iter', measured s), reasons runs were skipped)."""
+    import logging
+
+    try:
+        from mlflow.tracking import MlflowClient
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep errors to one line
+
+        client = MlflowClient(tracking_uri=uri)
+        if experiment:
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise InputError(f"--experiment {experiment}: no such experiment at {uri}")
+            ids = [exp.experiment_id]
+        else:
+            ids = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(ids, max_results=5000) if ids else []
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any store error is bad input for this command
+        raise InputError(f"--mlflow-uri {uri}: cannot read runs ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+    want = match_gpu(cluster.gpu).name
+    cases, skipped = [], []
+    for run in runs:
+        rid, params = run.info.run_id, run.data.params
+        if PRED_KEY not in run.data.metrics:
+            skipped.append(f"{rid}: no {PRED_KEY}")
+            continue
+        try:
+            gpu = params.get("cluster.gpu", cluster.gpu)
+            if match_gpu(gpu).name != want:
+                skipped.append(f"{rid}: GPU {gpu} is not {cluster.gpu}")
+                continue
+            model = _typed(ModelConfig, params, "model")
+            train = _typed(TrainConfig, params, "train")
+            run_cluster = _typed(ClusterConfig, {**{f"cluster.{k}": str(v) for k, v in
+                                                    vars(cluster).items() if k != "coeff"},
+                                                 **params}, "cluster")
+            layout = Layout.from_key(params["layout"])
+        except (KeyError, ValueError, ConfigError, Exception) as e:  # noqa: BLE001
+            skipped.append(f"{rid}: {type(e).__name__} {str(e)[:120]}")
+            continue
+        measured = _measured(client, rid)
+        if measured is None:
+            skipped.append(f"{rid}: no measured {MEASURED_KEY}")
+            continue
+        sw = software_for(train, run_cluster)
+        cases.append((Case(model, cluster, train, layout, sw), "seconds_per_iter", measured))
+    return cases, skipped
