@@ -49,18 +49,54 @@ class Coefficients:
     coll_latency_inter_s: float = 20e-6
     # One pipeline send/recv of a small message (NCCL p2p over IB).
     p2p_latency_s: float = 20e-6
-    # Fraction of tensor-parallel communication hidden behind GEMMs when the stack overlaps it
-    # (async TP / Megatron --tp-comm-overlap; vanilla TP hides none). The torchtitan async-TP
-    # note and the TE comm-overlap docs report most, not all, of it hidden.
+    # Fraction of tensor-parallel communication hidden behind GEMMs by Megatron-Core's
+    # --tp-comm-overlap (Transformer Engine userbuffers: bulk overlap of the SP all-gather and
+    # reduce-scatter with independent GEMMs plus pipelined ring-exchange; the TE comm-overlap
+    # docs report most, not all, of it hidden). Vanilla TP hides none.
     tp_overlap: float = 0.7
+    # The same for torchtitan's async TP (SymmetricMemory micro-pipelining). Async TP splits each
+    # all-gather/reduce-scatter + matmul into tp per-peer chunks: the first chunk's transfer and
+    # the reduce-scatter tail stay exposed and the smaller matmuls lose some efficiency. The
+    # torchtitan async-TP benchmark (2025-06, Llama3 8B/70B, TP8) saves 0.25 s of a modelled
+    # 0.64 s (8B) and 2.3 s of 5.0 s (70B) of BF16 TP communication per step: ~0.4-0.46.
+    async_tp_overlap: float = 0.45
+    # FP8 rowwise scaling (torchao): HBM bytes per element of every FP8 linear operand per pass
+    # for its per-row amax and cast, not fused into the producer: read 2 (amax) + read 2 and
+    # write 1 (cast) = 5. Tensorwise scaling fuses both into the producing kernel under
+    # torch.compile (its cost is inside fp8_mm_speedup). Check: the torchtitan async-TP benchmark
+    # puts rowwise 0.9 s (8B) and 7.1 s (70B) per step behind tensorwise, i.e. 5-5.3 bytes per
+    # operand element and pass after the BF16-vs-FP8 TP gather difference.
+    fp8_rowwise_cast_bytes: float = 5.0
     # Elementwise HBM traffic with torch.compile / fused kernels relative to eager: fusion keeps
     # intermediate tensors of norm/activation/rope chains in registers.
     compile_elem_factor: float = 0.5
     # Fraction of data-parallel communication hidden behind compute when the stack overlaps it
     # (bucketed all-reduce / FSDP prefetch; PyTorch DDP paper reports most of it hidden).
     dp_overlap: float = 0.85
-    # Fraction of context-parallel ring exchange hidden behind attention compute.
+    # Fraction of one ring step's K/V exchange hidden behind that step's attention at best
+    # (copy engines and NCCL kernels still contend for HBM and SMs); the rest of the exchange is
+    # exposed only when it outlasts the step's attention.
     cp_overlap: float = 0.5
+    # KV-chunk length (tokens) at which a fused attention kernel's throughput halves relative
+    # to long sequences: FlashAttention-2 (Dao 2023, Fig. 4-5, head dim 128) fwd+bwd reaches
+    # ~0.75-0.8 of its long-sequence throughput at 512 tokens and ~0.9 at 2k -> ~200 tokens.
+    # Ring attention runs one kernel per ring step on a chunk of s/cp (s/2cp balanced) keys.
+    ring_chunk_half: float = 200.0
+    # HBM bytes per output element and ring step to merge partial attention outputs: the
+    # running output is kept in FP32 and rescaled by the new log-sum-exp (read 4 + read 2 of
+    # the new block + write 4, ~10; PyTorch _templated_ring_attention / Megatron-Core CP).
+    ring_merge_bytes: float = 10.0
+    # DeepSpeed ZeRO-3 as of 2021 (Narayanan et al. SC21 Table 2): parameters are gathered per
+    # parameter/small bucket with flat all-gathers, so cross-node traffic does not aggregate a
+    # node's NICs the way one bucketed NCCL ring does. Achieved fraction of one NIC's NCCL
+    # bandwidth: SC21 Table 2 step times are ~constant in micro-batch and scale with parameter
+    # count, 6 bytes/param (2 gathers + fp16 reduce-scatter) in 65 s (175B) and 181 s (530B):
+    # 16-18 GB/s per GPU over 200 Gb/s HDR (21 GB/s after link_eff_inter) -> ~0.8.
+    zero3_gather_eff: float = 0.8
+    # Fraction of those gathers hidden behind compute at best (DeepSpeed-2021 prefetch): the
+    # same table's micro-batch-4 rows are ~30 s (175B) / ~100 s (530B) slower than their compute
+    # although the gathers take less than the compute: about half stays exposed.
+    zero3_overlap: float = 0.5
     # Memory no tensor accounts for: CUDA context, NCCL buffers, cuBLAS workspace (~1-2 GiB).
     mem_fixed_bytes: float = 1.5 * 2**30
     # Caching-allocator fragmentation, as a fraction of dynamic (activation + buffer) memory.

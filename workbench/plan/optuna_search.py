@@ -10,8 +10,11 @@ The space is parametrized for TPE, not as a flat bag of categories:
 - recompute is not sampled: each trial uses the lightest recompute that fits in memory (a
   memory check of that one layout, as a launcher does before any launch; recomputing more than
   memory needs never makes a step faster), which removes the rc x memory cliff TPE stalls on;
+  likewise a data-parallel mode that does not fit is repaired towards more parameter sharding
+  (replicate -> hybrid -> shard), so a move such as "no pipeline" is not lost to a memory cliff;
 - the last `local_share` of the budget is a first-improvement neighbourhood search around the
-  best trial so far (one parameter one step away), enqueued as ordinary trials.
+  best trial so far (one or two parameters one step away, or one parallel dimension switched
+  off), enqueued as ordinary trials.
 No trial is seeded from the exhaustive ranking. Infeasible layouts are told, not skipped: they
 get a constraint value > 0 (Trial.set_constraint) and their reason as a user attribute.
 """
@@ -68,13 +71,17 @@ class _Space:
         smaller micro-batch keeps the tokens per rank), or another value of one categorical."""
         out = []
         ints = ("tp", "pp", "cp", "mb")
-        for n, k in enumerate(ints):
-            for d in (-1, 1):
-                i = params[f"{k}_i"] + d
+        for k in ints:
+            here = params[f"{k}_i"]
+            # one step either way, or switch this dimension off (index 0: degree 1 / the
+            # smallest micro-batch), which no sequence of improving single steps may reach
+            for i in {here - 1, here + 1, 0} - {here}:
                 if not 0 <= i < len(getattr(self, k)):
                     continue
                 out.append({**params, f"{k}_i": i})
-                for k2 in ints[n + 1:]:
+                for k2 in ints:
+                    if k2 == k:
+                        continue
                     for d2 in (-1, 1):
                         j = params[f"{k2}_i"] + d2
                         if 0 <= j < len(getattr(self, k2)):
@@ -156,9 +163,17 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
         p = space.suggest(trial)
         p = {**{f"{k}_i": p[k] for k in ("tp", "pp", "cp", "mb")},
              **{k: p[k] for k in ("dp_mode", "sp", "sched")}}
-        a = _layout_arrays(space, p, world_size, gb, cluster.gpus_per_node)
-        value, reason, lay = (0.0, "tp*pp must divide the world size", None) if a is None \
-            else evaluate(a)
+        value, reason, lay = 0.0, "tp*pp must divide the world size", None
+        # memory repair, like the recompute one: shard parameters further only when the sampled
+        # data-parallel mode does not fit (replicate -> hybrid -> shard)
+        for mode in space.dp_mode[: space.dp_mode.index(p["dp_mode"]) + 1][::-1]:
+            a = _layout_arrays(space, {**p, "dp_mode": mode}, world_size, gb,
+                               cluster.gpus_per_node)
+            if a is None:
+                break
+            value, reason, lay = evaluate(a)
+            if reason != REASONS[NOT_FIT]:
+                break
         if not reason and value > best[0]:
             best = (value, lay, p)
         trial.set_constraint("feasible", 1.0 if reason else -1.0)

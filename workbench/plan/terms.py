@@ -43,8 +43,25 @@ class Software:
     dropout: bool = False
     overlap_dp: bool = True
     grad_reduce_bytes: float = 4.0
-    overlap_tp: bool = False  # async TP / Megatron --tp-comm-overlap
+    overlap_tp: bool = False  # Megatron --tp-comm-overlap (TE userbuffers)
+    async_tp: bool = False  # torchtitan async TP (SymmetricMemory micro-pipelining)
+    # Megatron distributed optimizer with --overlap-param-gather: gradients reduce-scattered
+    # (overlapping the last backward), parameters all-gathered in 16 bit (overlapping the next
+    # forward) instead of one all-reduce.
+    dist_optimizer: bool = False
     compiled: bool = False  # torch.compile / fused kernels: fewer elementwise HBM round trips
+    # FP8 scaling granularity (torchao): "tensorwise" (one scale per tensor; the producer's
+    # kernel fuses amax and cast, and TP all-gathers travel in FP8) or "rowwise" (one scale per
+    # row: separate amax/cast kernels per operand and axis, TP all-gathers stay in BF16).
+    fp8_scaling: str = "tensorwise"
+    # Which implementation shards parameters over dp_shard: "fsdp" (PyTorch FSDP/FSDP2,
+    # Megatron distributed optimizer: bucketed NCCL collectives over all NICs of a node, prefetch
+    # one block ahead) or "deepspeed_zero3" (DeepSpeed ZeRO-3 as of 2021: flat per-parameter
+    # gathers, see Coefficients.zero3_gather_eff).
+    dp_stack: str = "fsdp"
+    # Context parallel shards the sequence in 2*cp chunks, chunk i paired with 2*cp-1-i, so every
+    # rank does the same causal work (torchtitan / Megatron-Core default); False: naive ring.
+    cp_load_balance: bool = True
 
     @property
     def act_bytes(self) -> float:
@@ -75,6 +92,36 @@ def _lat(size: np.ndarray, stride: np.ndarray, hw: GpuSpec, co: Coefficients) ->
     intra = size * stride <= hw.gpus_per_node
     per = np.where(intra, co.coll_latency_intra_s, co.coll_latency_inter_s)
     return np.where(size > 1, per * (1.0 + np.log2(np.maximum(size, 1))), 0.0)
+
+
+def attn_bwd_factor(sw: Software) -> float:
+    """Backward over forward attention time: flash backward recomputes the scores (2.5)."""
+    return 2.5 if sw.flash_attention else 2.0
+
+
+def ring_attention_factor(cp: np.ndarray, s: float, sw: Software, co: Coefficients
+                          ) -> np.ndarray:
+    """Attention time with context parallelism relative to the same FLOPs in one kernel.
+
+    Ring attention runs one kernel per ring step on a KV chunk of s/cp tokens (s/2cp halves with
+    load balancing), and a fused kernel's efficiency falls on short sequences (fixed prologue,
+    softmax rescaling and tail tiles: chunk / (chunk + ring_chunk_half), relative to the whole
+    sequence). Without load balancing the causal mask leaves rank i with i+1 blocks while every
+    ring step waits for the slowest rank: (2cp-1)/cp times the balanced time."""
+    chunk = s / (cp * (2.0 if sw.cp_load_balance else 1.0))
+    kernel = _g(s, co.ring_chunk_half) / _g(chunk, co.ring_chunk_half)
+    imbalance = 1.0 if sw.cp_load_balance else (2 * cp - 1) / cp
+    return np.where(cp > 1, kernel * imbalance, 1.0)
+
+
+def fp8_operand_elems(ms: ModelShape, tp: np.ndarray) -> np.ndarray:
+    """Elements per token of every FP8 linear's input and output(-gradient) on one TP rank:
+    what rowwise scaling reads, reduces and casts once per pass (column-parallel linears see
+    the gathered input, row-parallel ones the full output before its reduce-scatter)."""
+    total = 0.0
+    for m, n, col in ms.dense:
+        total = total + (m + n / tp if col else m / tp + n)
+    return total
 
 
 def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp: np.ndarray
@@ -138,24 +185,39 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
         attn_f = 0.5 * attn_flops / (peak * co.flash_eff)
     else:  # batched GEMMs with K = head_dim
         attn_f = attn_flops / (peak * co.mm_eff_max * g_tok * _g(ms.head_dim, co.mm_dim_half))
-    act = activation_bytes_per_token(ms, sw, tp, a["sp"])
     hbm = hw.hbm_bw_bytes_per_s * co.hbm_eff
+    attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
+        + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
+    act = activation_bytes_per_token(ms, sw, tp, a["sp"])
     traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled else 1.0)
     elem_f = traffic * tok * (act["rep"] + act["split"] + act["quad"]) / hbm
+    if sw.precision == "fp8" and sw.fp8_scaling == "rowwise":  # per-operand amax + cast kernels
+        elem_f = elem_f + co.fp8_rowwise_cast_bytes * tok * fp8_operand_elems(ms, tp) / hbm
     quad_elem_f = traffic * tok * act["quad"] / hbm
     layer_f = mm_f + attn_f + elem_f + co.kernel_overhead_s
-    attn_bwd = 2.5 if sw.flash_attention else 2.0  # flash backward recomputes the scores
+    attn_bwd = attn_bwd_factor(sw)
     layer_b = 2 * mm_f + attn_bwd * attn_f + 2 * elem_f + 2 * co.kernel_overhead_s
 
     # --- tensor / sequence and context parallel communication per layer ---
     bw_tp, lat_tp = _bw(tp, 1, hw, co), _lat(tp, 1, hw, co)
-    vol = tok * h * e
+    # SP: 2 all-gathers + 2 reduce-scatters a pass; FP8 tensorwise gathers travel in 1 byte
+    fp8_ag = sw.precision == "fp8" and sw.fp8_scaling == "tensorwise"
+    vol = tok * h * e * np.where((a["sp"] > 0) & fp8_ag, 0.75, 1.0)
     tp_f = np.where(tp > 1, 4 * (tp - 1) / tp * vol / bw_tp
-                    + np.where(a["sp"] > 0, 4, 2) * lat_tp, 0.0) * (1 - (co.tp_overlap if sw.overlap_tp else 0.0))
+                    + np.where(a["sp"] > 0, 4, 2) * lat_tp, 0.0) \
+        * (1 - (co.async_tp_overlap if sw.async_tp else co.tp_overlap if sw.overlap_tp else 0.0))
+    # ring attention: each of cp-1 steps sends this rank's K/V block to the next rank while the
+    # current block is computed; only what the step's attention cannot cover is exposed
     bw_cp, lat_cp = _bw(cp, tp, hw, co), _lat(cp, tp, hw, co)
-    kv_bytes = tok * 2 * ms.kv_width / tp * e
-    cp_f = np.where(cp > 1, (cp - 1) * (kv_bytes / bw_cp + lat_cp / np.maximum(cp, 2)), 0.0) \
-        * (1 - co.cp_overlap)
+    kv_step = tok * 2 * ms.kv_width / tp * e / bw_cp + lat_cp / np.maximum(cp, 2)
+    attn_step = attn_f / np.maximum(cp, 1)
+
+    def ring_exposed(comm: np.ndarray, comp: np.ndarray) -> np.ndarray:
+        return np.where(cp > 1, (cp - 1) * np.maximum(comm * (1 - co.cp_overlap), comm - comp),
+                        0.0)
+
+    cp_fwd = ring_exposed(kv_step, attn_step)
+    cp_bwd = ring_exposed(2 * kv_step, attn_bwd_factor(sw) * attn_step)  # K/V and dK/dV
 
     # --- recomputation per layer ---
     full_frac, sel_attn = recompute_fractions(rc, sw)
@@ -169,7 +231,7 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     t_bwd = ls * layer_b + 2 * head_f + 2 * loss_elem
     t_rec = ls * (full_frac * layer_f + sel_attn * (attn_f + quad_elem_f))
     t_tp = ls * tp_f * (2 + full_frac)  # fwd, bwd (same volume: Megatron f/g), recompute
-    t_cp = ls * cp_f * (3 + full_frac)  # fwd K/V ring, bwd K/V and their gradients
+    t_cp = ls * (cp_fwd * (1 + full_frac) + cp_bwd)  # fwd (and its recompute) ring, bwd ring
 
     # --- pipeline: p2p of activations at stage boundaries, and the bubble ---
     stride_pp = tp * dpr * dps
@@ -189,13 +251,25 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     w_bytes = 4.0 if fp32 else 2.0
     ov = co.dp_overlap if sw.overlap_dp else 0.0
     bw_dps, lat_dps = _bw(dps, tp, hw, co), _lat(dps, tp, hw, co)
+    ov_fsdp = ov
+    if sw.dp_stack == "deepspeed_zero3":  # flat gathers: one NIC per GPU, no rail aggregation
+        nic = hw.inter_node_gbps * co.link_eff_inter * co.zero3_gather_eff * 1e9
+        bw_dps = np.where(dps * tp <= hw.gpus_per_node, bw_dps, nic)
+        ov_fsdp = co.zero3_overlap
     fsdp_mb = np.where(dps > 1, (dps - 1) / dps * dp_elems * (2 * w_bytes + sw.grad_reduce_bytes)
                        / bw_dps + 3 * lat_dps * (ls + 1), 0.0)
-    fsdp_exposed = np.maximum(fsdp_mb * (1 - ov), fsdp_mb - (t_fwd + t_bwd + t_rec))
+    fsdp_exposed = np.maximum(fsdp_mb * (1 - ov_fsdp), fsdp_mb - (t_fwd + t_bwd + t_rec))
     bw_dpr, lat_dpr = _bw(dpr, tp * dps, hw, co), _lat(dpr, tp * dps, hw, co)
-    ddp = np.where(dpr > 1, 2 * (dpr - 1) / dpr * dp_elems / dps * sw.grad_reduce_bytes / bw_dpr
-                   + lat_dpr, 0.0)
-    ddp_exposed = np.maximum(ddp * (1 - ov), ddp - t_bwd)
+    ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
+    ddp_lat = np.where(dpr > 1, lat_dpr, 0.0)
+    if sw.dist_optimizer:  # reduce-scatter behind the last backward, gather behind a forward
+        rs, ag = ddp_elems * sw.grad_reduce_bytes + ddp_lat, ddp_elems * w_bytes + ddp_lat
+        ddp = rs + ag
+        ddp_exposed = np.maximum(rs * (1 - ov), rs - t_bwd) + np.maximum(ag * (1 - ov),
+                                                                        ag - t_fwd)
+    else:
+        ddp = 2 * ddp_elems * sw.grad_reduce_bytes + ddp_lat
+        ddp_exposed = np.maximum(ddp * (1 - ov), ddp - t_bwd)
     dp_total = ga * fsdp_mb + ddp
     dp_exposed = ga * fsdp_exposed + ddp_exposed
 

@@ -61,15 +61,23 @@ def _int(row: dict[str, str], key: str, default: int | None = None) -> int:
         raise ValueError(f"{key}={text!r} is not a number") from None
 
 
-def _software(precision: str, notes: str) -> Software:
+def _software(precision: str, notes: str, shard: str = "") -> Software:
     """FP16-era rows (Megatron 2021-22) ran without fused attention, with dropout, with grads
-    reduced in FP16 and not overlapped; BF16/FP8 rows are the modern flash-attention stacks."""
+    reduced in FP16 and not overlapped; BF16/FP8 rows are the modern flash-attention stacks.
+    The sharding stack comes from zero_or_fsdp (DeepSpeed ZeRO-3 prefetches its gathers), FP8
+    scaling from the precision text (torchao's default recipe is tensorwise), CP load balancing
+    is assumed unless the notes say otherwise."""
     p, n = precision.upper(), notes.lower().replace(" ", "")
-    facts = {"overlap_tp": "asynctp" in n or "tp-comm-overlap" in n, "compiled": "compile" in n}
+    zero3 = "ZERO" in shard.upper()
+    facts = {"overlap_tp": "tp-comm-overlap" in n, "async_tp": "asynctp" in n,
+             "dist_optimizer": "overlap-param-gather" in n, "compiled": "compile" in n,
+             "dp_stack": "deepspeed_zero3" if zero3 else "fsdp",
+             "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n}
     if "FP8" in p:
-        return Software(precision="fp8", **facts)
+        return Software(precision="fp8", **facts,
+                        fp8_scaling="rowwise" if "ROWWISE" in p else "tensorwise")
     if "FP16" in p:
-        return Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=False,
+        return Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=zero3,
                         grad_reduce_bytes=2.0, **facts)
     if "FP32" in p and "BF16" not in p:
         return Software(precision="fp32", **facts)
@@ -132,7 +140,7 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
         raise ValueError(f"tp*pp*dp*cp={layout.world_size} != n_gpus {n_gpus}")
     train = TrainConfig(global_batch=gb, micro_batch=mb, dtype="bf16")
     return Case(model, cluster, train, layout, _software(row.get("precision") or "BF16",
-                                                              row.get("notes") or ""))
+                                                              row.get("notes") or "", shard))
 
 
 def engine_only(e: ConfigError) -> bool:
