@@ -165,11 +165,13 @@ def _hydra_error(e: Exception) -> ConfigError:
 
 
 def _valid_keys(key: str) -> str:
-    from dataclasses import fields
+    from dataclasses import fields, is_dataclass
 
     section = key.lstrip("+").split(".")[0]
     schema = {f.name: f.type for f in fields(RunConfig)}
-    if section in schema and "." in key:
+    if section == "sweep":
+        return "those of workbench.sweep.space.SweepConfig; a new key needs +sweep.KEY=VALUE"
+    if section in schema and "." in key and is_dataclass(getattr(RunConfig(), section)):
         sub = getattr(RunConfig(), section)
         return ", ".join(f"{section}.{f.name}" for f in fields(sub))
     return ", ".join(schema)

@@ -62,6 +62,8 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
             "wb.launcher": cfg.launcher.name, "wb.run_dir": str(run_dir),
             **(extra_tags or {})}
     run_name = f"{cfg.model.name}-{layout.key()}-s{cfg.train.seed}"
+    if cfg.lowrank.mode != "off":  # runs compared side by side need telling apart
+        run_name += f"-{cfg.lowrank.mode}"
     run_id = create_run(cfg.tracking, run_name, tags, parent_run_id)
     job = Job(config=resolved, layout=layout.key(), run_dir=str(run_dir), run_id=run_id,
               data_dir=str(data.folder), world_size=world_size, tags=tags)
@@ -147,6 +149,10 @@ def start(overrides: List[str]) -> Tuple[RunConfig, Job]:
 
 @guarded
 def main(argv: List[str]) -> int:
+    if "--multirun" in argv or "-m" in argv:
+        from workbench.sweep.multirun import main as multirun_main
+
+        return multirun_main(argv)
     if any(a.lstrip("+").startswith("sweep=") for a in argv):
         from workbench.sweep.driver import main as sweep_main
 

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# start-local-cluster.sh - install (when missing), configure and start a real one-node Slurm
+# cluster on this machine: munged + slurmctld + slurmd (+ slurmdbd and a private MariaDB for
+# accounting, which `sacct` and therefore submitit's job states need). Loopback only, no
+# cgroups, state under one folder. Idempotent: a second run only checks the daemons and waits
+# for the node. Needs root (it starts daemons as root and may apt-get install).
+#
+# Knobs (environment, all optional):
+#   SLURM_LOCAL_DIR    state, config, logs, pid files     (default /tmp/workbench-slurm)
+#   SLURM_AUTH         munge | none                       (default munge)
+#   SLURM_ACCOUNTING   1: slurmdbd + MariaDB (sacct works); 0: none   (default 1)
+#   SLURM_NODE_CPUS    CPUs the node advertises           (default: nproc)
+#   SLURM_NODE_MEM_MB  RealMemory of the node             (default: from slurmd -C)
+#   SLURM_LINK_ETC     1: link /etc/slurm/slurm.conf to the generated one  (default 1)
+#   SLURM_FRESH        1: wipe job state + accounting before starting      (default 0)
+#   SLURM_WAIT_S       seconds to wait for the node to become idle         (default 60)
+#
+# On success: `source $SLURM_LOCAL_DIR/env.sh` (exports SLURM_CONF); `sinfo` shows it idle.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+D=${SLURM_LOCAL_DIR:-/tmp/workbench-slurm}
+AUTH=${SLURM_AUTH:-munge}
+ACCT=${SLURM_ACCOUNTING:-1}
+LINK_ETC=${SLURM_LINK_ETC:-1}
+FRESH=${SLURM_FRESH:-0}
+WAIT_S=${SLURM_WAIT_S:-60}
+NODE=$(hostname -s)
+DB_PORT=3307 DBD_PORT=6819 CTLD_PORT=6817 SLURMD_PORT=6818
+
+log() { echo "[slurm-local $(date +%T)] $*" >&2; }
+alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+t0=$SECONDS
+
+# ------------------------------------------------------------------ install what is missing
+pkgs=(slurmctld slurmd slurm-client)
+[ "$AUTH" = munge ] && pkgs+=(munge)
+[ "$ACCT" = 1 ] && pkgs+=(slurmdbd mariadb-server)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing ${missing[*]}"
+  # Without systemd, the packages' postinst cannot start services: we start them below.
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# ------------------------------------------------------------------ hostname must resolve
+# slurmd takes its NodeName from the short hostname; srun resolves it too.
+if ! getent hosts "$NODE" >/dev/null 2>&1; then
+  log "mapping $NODE to 127.0.0.1 in /etc/hosts"
+  echo "127.0.0.1 $NODE" >> /etc/hosts
+fi
+
+mkdir -p "$D"/{etc,state,spool,log,run,munge,mysql}
+chmod 755 "$D" "$D/run"
+if [ "$FRESH" = 1 ] && ! alive "$D/run/slurmctld.pid"; then
+  log "SLURM_FRESH=1: wiping job state and accounting"
+  rm -rf "${D:?}"/state/* "${D:?}"/spool/* "${D:?}/mysql"
+  mkdir -p "$D/mysql"
+fi
+
+# ------------------------------------------------------------------ render the configs
+CPUS=${SLURM_NODE_CPUS:-$(nproc)}
+MEM_MB=${SLURM_NODE_MEM_MB:-$(slurmd -C 2>/dev/null | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' | head -1)}
+MEM_MB=${MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024)}' /proc/meminfo)}
+
+if [ "$AUTH" = munge ]; then
+  # cred_expire=10: a requeued job otherwise waits 120 s before it may start again.
+  AUTH_LINES="AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$D/run/munge.socket,cred_expire=10"
+  ACCT_PASS="AccountingStoragePass=$D/run/munge.socket"   # slurmctld -> slurmdbd socket
+  DBD_AUTH="AuthType=auth/munge
+AuthInfo=socket=$D/run/munge.socket"
+else
+  AUTH_LINES="AuthType=auth/none
+CredType=cred/none
+AuthInfo=cred_expire=10"
+  ACCT_PASS=""
+  DBD_AUTH="AuthType=auth/none"
+fi
+if [ "$ACCT" = 1 ]; then
+  ACCT_LINES="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+$ACCT_PASS
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30"
+else
+  ACCT_LINES="AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none"
+fi
+
+render() {  # render TEMPLATE: fill every @NAME@ placeholder (values may span lines)
+  local t
+  t=$(<"$1")
+  t=${t//@NODE@/$NODE}; t=${t//@DIR@/$D}; t=${t//@CPUS@/$CPUS}; t=${t//@MEM_MB@/$MEM_MB}
+  t=${t//@CTLD_PORT@/$CTLD_PORT}; t=${t//@SLURMD_PORT@/$SLURMD_PORT}
+  t=${t//@DBD_PORT@/$DBD_PORT}; t=${t//@DB_PORT@/$DB_PORT}
+  t=${t//@AUTH_LINES@/$AUTH_LINES}; t=${t//@ACCT_LINES@/$ACCT_LINES}; t=${t//@DBD_AUTH@/$DBD_AUTH}
+  printf '%s\n' "$t"
+}
+new_conf=$(render "$HERE/slurm.conf.in")
+conf_changed=0
+if [ ! -f "$D/etc/slurm.conf" ] || [ "$new_conf" != "$(cat "$D/etc/slurm.conf")" ]; then
+  printf '%s\n' "$new_conf" > "$D/etc/slurm.conf"
+  conf_changed=1
+fi
+render "$HERE/slurmdbd.conf.in" > "$D/etc/slurmdbd.conf"
+chmod 600 "$D/etc/slurmdbd.conf"   # slurmdbd refuses a readable one; it sits beside slurm.conf
+export SLURM_CONF=$D/etc/slurm.conf
+echo "export SLURM_CONF=$SLURM_CONF" > "$D/env.sh"
+
+if [ "$LINK_ETC" = 1 ]; then
+  mkdir -p /etc/slurm
+  if [ -L /etc/slurm/slurm.conf ] || [ ! -e /etc/slurm/slurm.conf ]; then
+    ln -sfn "$SLURM_CONF" /etc/slurm/slurm.conf
+  else
+    log "note: /etc/slurm/slurm.conf is a real file; left alone (export SLURM_CONF)"
+  fi
+fi
+
+stop_pid() {  # stop_pid PIDFILE: TERM the daemon named by its pid file and wait for it
+  local pid
+  alive "$1" || return 0
+  pid=$(cat "$1"); kill "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+}
+if [ "$conf_changed" = 1 ] && { alive "$D/run/slurmctld.pid" || alive "$D/run/slurmd.pid"; }; then
+  log "config changed: restarting slurmd and slurmctld"
+  stop_pid "$D/run/slurmd.pid"; stop_pid "$D/run/slurmctld.pid"
+fi
+
+# ------------------------------------------------------------------ munge
+if [ "$AUTH" = munge ]; then
+  [ -s "$D/munge/munge.key" ] || mungekey -c -k "$D/munge/munge.key"   # mode 0600
+  if ! alive "$D/run/munged.pid"; then
+    log "starting munged"
+    munged --key-file="$D/munge/munge.key" --socket="$D/run/munge.socket" \
+      --pid-file="$D/run/munged.pid" --log-file="$D/log/munged.log" \
+      --seed-file="$D/munge/munged.seed" --num-threads=4
+  fi
+  for _ in $(seq 50); do
+    munge -S "$D/run/munge.socket" -n 2>/dev/null | unmunge -S "$D/run/munge.socket" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+fi
+
+# ------------------------------------------------------------------ accounting
+if [ "$ACCT" = 1 ]; then
+  if [ ! -d "$D/mysql/mysql" ]; then
+    log "initialising the MariaDB datadir"
+    mariadb-install-db --no-defaults --datadir="$D/mysql" --user=root \
+      --auth-root-authentication-method=normal --skip-test-db > "$D/log/mariadb-install.log" 2>&1
+  fi
+  if ! alive "$D/run/mysqld.pid"; then
+    log "starting MariaDB on 127.0.0.1:$DB_PORT"
+    setsid mariadbd --no-defaults --datadir="$D/mysql" --user=root \
+      --bind-address=127.0.0.1 --port=$DB_PORT --socket="$D/run/mysqld.sock" \
+      --pid-file="$D/run/mysqld.pid" --log-error="$D/log/mariadb.err" \
+      --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
+      < /dev/null > /dev/null 2>&1 &
+  fi
+  for _ in $(seq 150); do
+    mariadb-admin --no-defaults --socket="$D/run/mysqld.sock" ping >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  mariadb --no-defaults --socket="$D/run/mysqld.sock" -e "
+    CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurmpw';
+    CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmpw';
+    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
+  if ! alive "$D/run/slurmdbd.pid"; then
+    log "starting slurmdbd"
+    slurmdbd
+  fi
+  for _ in $(seq 100); do sacctmgr -n show cluster >/dev/null 2>&1 && break; sleep 0.2; done
+fi
+
+# ------------------------------------------------------------------ slurm daemons
+if ! alive "$D/run/slurmctld.pid"; then log "starting slurmctld"; slurmctld -f "$SLURM_CONF"; fi
+if ! alive "$D/run/slurmd.pid"; then log "starting slurmd"; slurmd -f "$SLURM_CONF" -N "$NODE"; fi
+
+state=""
+for _ in $(seq $((WAIT_S * 2))); do
+  state=$(sinfo -h -N -n "$NODE" -o %T 2>/dev/null || true)
+  case "$state" in
+    idle|mixed|allocated) break ;;
+    down*|drain*) scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true ;;
+  esac
+  sleep 0.5
+done
+case "$state" in
+  idle|mixed|allocated) ;;
+  *) log "node did not become idle (state '$state'); logs in $D/log/"; sinfo -R || true; exit 1 ;;
+esac
+log "cluster up in $((SECONDS - t0)) s: node $NODE $state, $CPUS CPUs, ${MEM_MB} MB; export SLURM_CONF=$SLURM_CONF"

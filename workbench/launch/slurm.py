@@ -1,0 +1,237 @@
+"""The Slurm launcher: submitit's executor around the one rank entry point.
+
+Each Slurm task is one rank. It runs `TrainTask(job_file)`, which exports the torch.distributed
+rendezvous from the Slurm environment, then calls `workbench.train.main.run_job` on the job file,
+exactly as the local and torchrun launchers do. A time-limit (USR2, from `--signal`) or preemption
+(TERM) signal only raises a flag; the training loop polls it between steps, writes a checkpoint
+and returns, and then the task requeues itself through submitit (USR2) or lets Slurm requeue it
+(TERM from `scontrol requeue` or a preemption). The requeued task runs the same pickled
+`TrainTask(job_file)`, so it resumes from the checkpoint into the same MLflow run, whatever was
+edited in the working tree since submission.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from workbench.config import ConfigError, LauncherConfig, TrackingConfig
+from workbench.job import Job
+
+# How many times a job may hit its time limit and requeue itself. Slurm checks limits on a ~30 s
+# tick, so a short job can be signalled several times; a site job rarely needs more than a few.
+MAX_TIMEOUT_REQUEUES = 10
+SIGNAL_DELAY_S = 90  # `--signal=USR2@90`: the warning before the time limit
+
+
+@dataclass
+class StopFlag:
+    """Set by a signal handler, read by the training loop between steps (never acts itself:
+    a checkpoint written inside a signal handler could interleave with a half-done step)."""
+
+    signals: list[int] = field(default_factory=list)
+
+    def handler(self, signum: int, frame: Any = None) -> None:
+        self.signals.append(signum)
+
+    @property
+    def requeue_self(self) -> bool:
+        """USR2 (time limit / submitit interrupt): this task must requeue itself."""
+        return signal.SIGUSR2 in self.signals
+
+    def local(self) -> bool:
+        return bool(self.signals)
+
+    def agreed(self) -> bool:
+        """True when any rank was signalled: all ranks stop at the same step, or the ones still
+        training would block forever in their next collective."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.local()
+        flag = torch.tensor([1.0 if self.local() else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+
+class TrainTask(submitit.helpers.Checkpointable):
+    """What each Slurm task runs: one rank of the job in `job_path`. Checkpointable: submitit
+    re-pickles this same object on a requeue, and training state lives in the run's checkpoints,
+    so the requeued task simply runs the job file again and resumes."""
+
+    def __init__(self, job_path: str):
+        self.job_path = str(job_path)
+
+    def __call__(self) -> dict[str, float]:
+        env = submitit.JobEnvironment()
+        if env.num_tasks > 1:
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
+        if cpus and "OMP_NUM_THREADS" not in os.environ:
+            import torch
+
+            torch.set_num_threads(cpus)  # one rank per CPU slot; no oversubscription
+        flag = StopFlag()
+        submitit_usr2 = signal.getsignal(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR2, flag.handler)
+        signal.signal(signal.SIGTERM, flag.handler)
+        job = Job.load(self.job_path)
+        if env.global_rank == 0:
+            _tag_run(job, slurm_tags(env))
+        from workbench.train.main import run_job
+
+        last = run_job(job, progress=False, stop_requested=flag.agreed)
+        if "stopped_at" not in last:
+            # Done: a time-limit warning that arrives now must not kill the exiting process
+            # (Slurm would then record FAILED for a finished run).
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return last
+        print(f"stopped at step {last['stopped_at']} after signal(s) {flag.signals}; "
+              "checkpoint written", file=sys.stderr, flush=True)
+        if flag.requeue_self and env.global_rank == 0 and callable(submitit_usr2):
+            # submitit's own handler: counts timeouts, re-pickles this task, `scontrol requeue`
+            # of this job (one array task only), then exits without writing a result.
+            submitit_usr2(signal.SIGUSR2, None)
+        # TERM: Slurm (requeue or preemption) is ending this attempt; the non-zero ranks wait for
+        # rank 0's requeue to end them. Neither writes a result: the job is not done.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(1)
+        raise SystemExit(1)
+
+
+def slurm_tags(env: submitit.JobEnvironment | None = None) -> dict[str, str]:
+    """The Slurm identity of this attempt as MLflow tags (job, array, restart, log paths)."""
+    e = os.environ
+    tags = {"slurm.job_id": e.get("SLURM_JOB_ID", ""),
+            "slurm.array_job_id": e.get("SLURM_ARRAY_JOB_ID", ""),
+            "slurm.array_task_id": e.get("SLURM_ARRAY_TASK_ID", ""),
+            "slurm.restart_count": e.get("SLURM_RESTART_COUNT", "0"),
+            "slurm.nodelist": e.get("SLURM_JOB_NODELIST", ""),
+            "slurm.cluster": e.get("SLURM_CLUSTER_NAME", "")}
+    if env is not None:
+        tags["slurm.submitit_id"] = env.job_id
+        tags["slurm.stdout"] = str(env.paths.stdout)
+        tags["slurm.stderr"] = str(env.paths.stderr)
+    return {k: v for k, v in tags.items() if v}
+
+
+def _tag_run(job: Job, tags: dict[str, str]) -> None:
+    """Tag the job's run from inside the job (restart count and node list change per attempt)."""
+    cfg = job.run_config()
+    if not job.run_id or cfg.tracking.backend == "none":
+        return
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    from workbench.track.tracker import with_retries
+
+    client = MlflowClient(tracking_uri=cfg.tracking.resolved_uri())
+    with_retries(client.log_batch, job.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def tag_submitted(tracking: TrackingConfig, run_id: str | None,
+                  handle: submitit.Job[Any], client: Any = None) -> None:
+    """Record the job id and log paths on the run right after submission (before it starts),
+    so a run that never starts still links to its Slurm job."""
+    if not run_id or tracking.backend == "none":
+        return
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    from workbench.track.tracker import with_retries
+
+    tags = {"slurm.job_id": handle.job_id, "slurm.stdout": str(handle.paths.stdout),
+            "slurm.stderr": str(handle.paths.stderr)}
+    if "_" in handle.job_id:
+        array_id, task_id = handle.job_id.split("_", 1)
+        tags |= {"slurm.array_job_id": array_id, "slurm.array_task_id": task_id}
+    client = client or MlflowClient(tracking_uri=tracking.resolved_uri())
+    with_retries(client.log_batch, run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def sbatch_parameters(cfg: LauncherConfig, name: str) -> dict[str, Any]:
+    """submitit's Slurm parameters from the launcher config; empty strings mean "site default"."""
+    params: dict[str, Any] = {"job_name": name, "nodes": cfg.nodes,
+                              "ntasks_per_node": cfg.tasks_per_node,
+                              "cpus_per_task": cfg.cpus_per_task, "time": cfg.time_min,
+                              "signal_delay_s": min(SIGNAL_DELAY_S, max(10, cfg.time_min * 30)),
+                              "stderr_to_stdout": False}
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(cfg, key):
+            params[key] = getattr(cfg, key)
+    if cfg.gpus_per_node:
+        params["gpus_per_node"] = cfg.gpus_per_node
+    if cfg.extra_sbatch:  # {"mem": "32G", "exclusive": ""}: an empty or "true" value is a flag
+        params["additional_parameters"] = {
+            k.replace("-", "_"): True if str(v).lower() in ("", "true") else v
+            for k, v in cfg.extra_sbatch.items()}
+    return params
+
+
+def validate(cfg: LauncherConfig) -> None:
+    for key in ("nodes", "tasks_per_node", "cpus_per_task", "time_min"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"launcher.{key}", getattr(cfg, key), "must be > 0")
+    if cfg.gpus_per_node < 0:
+        raise ConfigError("launcher.gpus_per_node", cfg.gpus_per_node, "must be >= 0")
+
+
+def make_executor(cfg: LauncherConfig, folder: Path, name: str,
+                  array_parallelism: int = 256) -> submitit.SlurmExecutor:
+    """A Slurm executor writing its logs and pickles under `folder/<job id>`."""
+    validate(cfg)
+    executor = submitit.SlurmExecutor(folder=str(folder / "%j"),
+                                      max_num_timeout=MAX_TIMEOUT_REQUEUES)
+    executor.update_parameters(**sbatch_parameters(cfg, name),
+                               array_parallelism=array_parallelism)
+    return executor
+
+
+class SlurmLauncher:
+    """`launcher=slurm`: submit the job, wait for it, return rank 0's final metrics."""
+
+    def __init__(self, cfg: LauncherConfig):
+        validate(cfg)
+        self.cfg = cfg
+
+    def world_size(self) -> int:
+        return self.cfg.nodes * self.cfg.tasks_per_node
+
+    def submit(self, job: Job, folder: Path | None = None) -> submitit.Job[Any]:
+        folder = folder or Path(job.run_dir) / "slurm"
+        executor = make_executor(self.cfg, folder, f"wb-{Path(job.run_dir).name}")
+        handle = executor.submit(TrainTask(str(job.path)))
+        tag_submitted(job.run_config().tracking, job.run_id, handle)
+        return handle
+
+    def submit_array(self, jobs: Sequence[Job], folder: Path, name: str,
+                     parallelism: int) -> list[submitit.Job[Any]]:
+        """One Slurm job array, one task per job file (submitit's batch: a single sbatch)."""
+        executor = make_executor(self.cfg, folder, name, array_parallelism=parallelism)
+        with executor.batch():
+            handles = [executor.submit(TrainTask(str(j.path))) for j in jobs]
+        client = None
+        for job, handle in zip(jobs, handles):
+            tracking = job.run_config().tracking
+            if client is None and tracking.backend != "none":
+                from mlflow.tracking import MlflowClient
+
+                client = MlflowClient(tracking_uri=tracking.resolved_uri())
+            tag_submitted(tracking, job.run_id, handle, client)
+        return handles
+
+    def launch(self, job: Job) -> dict[str, float]:
+        handle = self.submit(job)
+        print(f"slurm job {handle.job_id}; logs: {handle.paths.stdout}", file=sys.stderr)
+        return handle.results()[0]  # one result per task; rank 0 owns the metrics

@@ -1,0 +1,125 @@
+"""How a sweep's trials run: as one Slurm job array per round, or as local processes.
+
+A backend only starts trials and says whether one has ended. Whether it succeeded, and its
+measured objectives, come from its MLflow run, which the trial itself closes: the run, not the
+launcher, is the record, so `collect` after `detach` and a resumed driver read the same truth.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from workbench.config import RunConfig
+from workbench.job import Job
+from workbench.sweep.state import TrialRecord
+
+# sacct states after which a Slurm job will not run again (REQUEUED/PENDING are not final).
+SLURM_FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+               "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED")
+
+
+class Backend(Protocol):
+    def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]: ...
+    def ended(self, records: Sequence[TrialRecord]) -> dict[int, str]: ...
+    def wait_slots(self) -> int: ...
+
+
+class SlurmBackend:
+    """Each round's survivors as one job array (one sbatch), at most `parallelism` at once."""
+
+    def __init__(self, cfg: RunConfig, folder: Path, name: str, parallelism: int):
+        from workbench.launch.slurm import SlurmLauncher
+
+        self.launcher = SlurmLauncher(cfg.launcher)
+        self.folder, self.name, self.parallelism = folder, name, parallelism
+
+    def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]:
+        handles = self.launcher.submit_array(jobs, self.folder, f"wb-sweep-{self.name}",
+                                             self.parallelism)
+        return [h.job_id for h in handles]
+
+    def ended(self, records: Sequence[TrialRecord]) -> dict[int, str]:
+        """{trial: final Slurm state} for the trials whose job will not run again."""
+        ids = [r.job_id for r in records if r.job_id]
+        if not ids:
+            return {}
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(ids)],
+                             capture_output=True, text=True, timeout=60, check=False)
+        states: dict[str, str] = {}
+        for line in out.stdout.splitlines():
+            job_id, _, state = line.partition("|")
+            states[job_id] = state.split()[0] if state else ""
+        return {r.number: states[r.job_id] for r in records
+                if states.get(r.job_id, "") in SLURM_FINAL}
+
+    def wait_slots(self) -> int:
+        return 1 << 30  # Slurm queues the whole array; the driver never throttles it
+
+
+class ProcessBackend:
+    """launcher=local or torchrun: each trial is `python -m workbench.train JOB_FILE` (under
+    torchrun for several ranks) in its own session, so a killed driver does not kill its trials
+    and a resumed driver finds them by pid."""
+
+    def __init__(self, cfg: RunConfig, parallelism: int):
+        self.cfg, self.parallelism = cfg, parallelism
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    def command(self, job: Job) -> list[str]:
+        if self.cfg.launcher.name == "torchrun" and job.world_size > 1:
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={self.cfg.launcher.nproc_per_node}",
+                    "-m", "workbench.train", str(job.path)]
+        return [sys.executable, "-m", "workbench.train", str(job.path)]
+
+    def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]:
+        ids = []
+        for record, job in zip(records, jobs):
+            with open(Path(job.run_dir) / "train.log", "ab") as log:
+                proc = subprocess.Popen(self.command(job), stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self._procs[record.number] = proc
+            ids.append(f"pid:{proc.pid}")
+        return ids
+
+    def ended(self, records: Sequence[TrialRecord]) -> dict[int, str]:
+        out = {}
+        for r in records:
+            proc = self._procs.get(r.number)
+            if proc is not None:
+                code = proc.poll()
+                if code is not None:
+                    out[r.number] = f"exit {code}"
+            elif not _pid_alive(r.job_id):  # started by an earlier driver
+                out[r.number] = "gone"
+        return out
+
+    def wait_slots(self) -> int:
+        running = sum(1 for p in self._procs.values() if p.poll() is None)
+        return max(0, self.parallelism - running)
+
+
+def _pid_alive(job_id: str) -> bool:
+    if not job_id.startswith("pid:"):
+        return False
+    pid = int(job_id[4:])
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a reused pid is not our trial: it must be running workbench.train
+        return b"workbench.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def make_backend(cfg: RunConfig, folder: Path, name: str, parallelism: int) -> Backend:
+    if cfg.launcher.name == "slurm":
+        return SlurmBackend(cfg, folder / "slurm", name, parallelism)
+    return ProcessBackend(cfg, parallelism)

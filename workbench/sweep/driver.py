@@ -1,0 +1,328 @@
+"""`python -m workbench.run +sweep=NAME [overrides]`: Optuna proposes, the cost model filters,
+the survivors run as one job array per round (or as local processes), and each result is told
+to Optuna as soon as its trial finishes.
+
+Every step first persists the trial's new status in sweeps/NAME/trials.json, so the driver may
+be killed anywhere: `sweep.resume=true` re-reads the map, re-attaches to trials still running,
+submits what was prepared, and never asks Optuna twice for the same trial.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from workbench.cli import guarded, to_run_config
+from workbench.config import ConfigError, RunConfig
+from workbench.sweep import report
+from workbench.sweep.backends import make_backend
+from workbench.sweep.session import Sweep, from_state, load  # noqa: F401  (re-exported)
+from workbench.sweep.space import (
+    SweepConfig,
+    budget,
+    grid,
+    params,
+    use_grid,
+)
+from workbench.sweep.state import SweepState, TrialRecord, open_study
+
+MAX_ATTEMPTS = 3  # a local trial whose process vanished is restarted (it resumes) this often
+
+
+def start(sw: Sweep) -> None:
+    """Create the sweep's state (plan, study, parent run), or reopen it with sweep.resume."""
+    from workbench.track.tracker import create_run
+
+    st, sweep = sw.state, sw.sweep
+    if st.exists():
+        if not sweep.resume:
+            raise ConfigError("sweep.resume", False, f"{st.folder} already holds this sweep; "
+                              "pass sweep.resume=true to continue it, or another sweep.name")
+        loaded = SweepState.load(st.folder)
+        st.plan, st.trials = loaded.plan, loaded.trials
+        st.lock()
+        if st.plan.get("sweep", {}).get("space") != sweep.space:
+            raise ConfigError("sweep.space", sweep.space, "differs from the sweep being resumed")
+    else:
+        st.lock()
+        parent = create_run(sw.cfg.tracking, f"sweep-{sweep.name}",
+                            {"wb.sweep": sweep.name, "wb.sweep_role": "parent",
+                             "wb.launcher": sw.cfg.launcher.name})
+        st.create({"sweep": asdict(sweep), "base_overrides": sw.base_overrides,
+                   "world_size": sw.world_size, "budget": budget(sweep),
+                   "objectives": [asdict(o) for o in sw.objectives],
+                   "launcher": sw.cfg.launcher.name, "tracking_uri": sw.uri,
+                   "parent_run_id": parent, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+    sampler = _sampler(sweep)
+    sw.study = open_study(st.study_path, sweep.name, [o.direction for o in sw.objectives], sampler)
+    sw.backend = make_backend(sw.cfg, st.folder, sweep.name, sweep.parallelism)
+    recover(sw)
+
+
+def recover(sw: Sweep) -> None:
+    """After a killed driver: Optuna trials asked but never recorded are failed (they never
+    ran; the budget counts records, so another proposal replaces them), and records that
+    ended but were not yet told are told now."""
+    import optuna
+
+    for t in sw.study.get_trials(deepcopy=False):
+        if t.number not in sw.state.trials and not t.state.is_finished():
+            sw.study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    for r in sw.state.with_status("rejected", "failed", "complete"):
+        if not r.told:
+            if r.status == "complete":
+                sw.study.tell(r.number, r.values, skip_if_finished=True)
+            else:
+                state = optuna.trial.TrialState.PRUNED if r.status == "rejected" else \
+                    optuna.trial.TrialState.FAIL
+                sw.study.tell(r.number, state=state, skip_if_finished=True)
+            sw.state.update(r, told=True)
+
+
+def _sampler(sweep: SweepConfig) -> Any:
+    import optuna
+
+    class AskTellGrid(optuna.samplers.GridSampler):
+        """GridSampler for ask/tell: its after_trial calls study.stop() on the last grid point,
+        which raises outside study.optimize() before the result is stored; the driver counts
+        its budget itself."""
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    if use_grid(sweep):
+        return AskTellGrid(grid(sweep), seed=sweep.seed)  # type: ignore[arg-type]
+    if sweep.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=sweep.seed)
+    return optuna.samplers.TPESampler(seed=sweep.seed)
+
+
+# ---------------------------------------------------------------------------- one trial
+def ask(sw: Sweep, count: int) -> list[TrialRecord]:
+    dists = params(sw.sweep)
+    out = []
+    for _ in range(count):
+        trial = sw.study.ask(fixed_distributions=dists)
+        out.append(sw.state.update(TrialRecord(number=trial.number, params=dict(trial.params)),
+                                   save=False))
+    sw.state.save()  # a driver killed before this leaves orphan Optuna trials: see recover()
+    return out
+
+
+def candidate(sw: Sweep, record: TrialRecord) -> tuple[RunConfig | None, str]:
+    """The trial's run config with its layout checked and predicted, or (None, why not)."""
+    from workbench.run import choose_layout
+
+    trial = sw.base.copy()
+    for key, value in record.params.items():
+        OmegaConf.update(trial, key, value, merge=False)
+    trial.train.run_dir = str(sw.state.trial_dir(record.number))
+    try:
+        cfg = to_run_config(trial)
+        layout = choose_layout(cfg, sw.world_size)
+    except ConfigError as e:
+        return None, f"invalid: {e}"
+    record.layout = layout.key()
+    try:
+        from workbench.plan.costmodel import estimate
+
+        est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
+        record.pred = {k: float(v) for k, v in est.as_metrics().items()
+                       if k in ("tokens_per_s", "step_time_s", "peak_mem_bytes", "fits", "mfu")}
+        if sw.sweep.reject_infeasible and not est.fits:
+            return None, (f"predicted out of memory: {est.peak_mem_bytes / 2**30:.2f} GiB > "
+                          f"{est.hbm_bytes / 2**30:.2f} GiB per device")
+    except (ImportError, ValueError, ZeroDivisionError) as e:
+        record.pred = {}
+        print(f"warning: no cost-model prediction for trial {record.number}: {e}",
+              file=sys.stderr)
+    return cfg, ""
+
+
+def reject_poor(sw: Sweep, records: list[TrialRecord]) -> None:
+    """Reject layouts predicted slower than min_pred_ratio x the best predicted so far."""
+    ratio = sw.sweep.min_pred_ratio
+    if ratio <= 0:
+        return
+    preds = [r.pred.get("tokens_per_s", 0.0) for r in sw.state.trials.values()
+             if r.status != "rejected" or r.reason.startswith("predicted slow")]
+    top = max(preds, default=0.0)
+    for r in records:
+        pred = r.pred.get("tokens_per_s")
+        if pred is not None and top > 0 and pred < ratio * top:
+            reject(sw, r, f"predicted slow: {pred:.4g} tokens/s < {ratio} x best predicted "
+                          f"{top:.4g}")
+
+
+def set_attr(sw: Sweep, number: int, key: str, value: Any) -> None:
+    """A user attribute on trial `number` (through the storage API: after a resume the driver
+    holds no Trial objects, only numbers)."""
+    storage = sw.study._storage
+    trial_id = storage.get_trial_id_from_study_id_trial_number(sw.study._study_id, number)
+    if not storage.get_trial(trial_id).state.is_finished():
+        storage.set_trial_user_attr(trial_id, key, value)
+
+
+def reject(sw: Sweep, record: TrialRecord, reason: str) -> None:
+    import optuna
+
+    set_attr(sw, record.number, "rejected", reason)
+    sw.study.tell(record.number, state=optuna.trial.TrialState.PRUNED, skip_if_finished=True)
+    sw.state.update(record, save=False, status="rejected", reason=reason, told=True)
+    print(f"trial {record.number} rejected ({record.layout or record.params}): {reason}",
+          file=sys.stderr)
+
+
+def prepare(sw: Sweep, records: list[TrialRecord]) -> None:
+    """asked -> prepared (MLflow child run + job file) or -> rejected, without launching."""
+    from workbench.job import JOB_NAME, Job
+    from workbench.run import prepare_job
+    from workbench.sweep.space import overrides_of
+
+    survivors = []
+    for record in records:
+        job_file = sw.state.trial_dir(record.number) / JOB_NAME
+        if job_file.exists():  # prepared by a driver that died before recording it
+            job = Job.load(job_file)
+            sw.state.update(record, status="prepared", run_dir=job.run_dir, run_id=job.run_id,
+                            layout=job.layout)
+            continue
+        cfg, why = candidate(sw, record)
+        if cfg is None:
+            reject(sw, record, why)
+        else:
+            survivors.append((record, cfg))
+    reject_poor(sw, [r for r, _ in survivors])
+    sw.state.save()  # the round's rejections (each already told to Optuna: idempotent on resume)
+    for record, cfg in survivors:
+        if record.status == "rejected":
+            continue
+        tags = {"wb.sweep": sw.sweep.name, "wb.trial": str(record.number)}
+        overrides = sw.sweep.overrides + sw.base_overrides + overrides_of(record.params)
+        job = prepare_job(cfg, overrides, sw.world_size, tags, sw.state.plan["parent_run_id"])
+        if record.pred and job.run_id:
+            set_attr(sw, record.number, "pred", record.pred)
+        set_attr(sw, record.number, "layout", record.layout)
+        set_attr(sw, record.number, "run_id", job.run_id)
+        sw.state.update(record, status="prepared", run_dir=job.run_dir, run_id=job.run_id)
+
+
+def submit(sw: Sweep) -> None:
+    """prepared -> submitted: one array for Slurm; as many processes as slots allow locally."""
+    from workbench.job import Job
+
+    ready = sw.state.with_status("prepared")[: sw.backend.wait_slots()]
+    if not ready:
+        return
+    jobs = [Job.load(Path(r.run_dir)) for r in ready]
+    ids = sw.backend.submit(ready, jobs)
+    for record, job_id in zip(ready, ids):
+        sw.state.update(record, save=False, status="submitted", job_id=job_id,
+                        attempts=record.attempts + 1)
+    sw.state.save()
+    for record, job_id in zip(ready, ids):
+        set_attr(sw, record.number, "job_id", job_id)
+    print(f"submitted trials {[r.number for r in ready]} as {ids[0]}"
+          f"{'..' + ids[-1] if len(ids) > 1 else ''}", file=sys.stderr)
+
+
+def poll(sw: Sweep) -> int:
+    """Tell Optuna every trial that ended since the last poll; returns how many did."""
+    running = sw.state.with_status("submitted")
+    if not running:
+        return 0
+    c = report.client(sw.uri)
+    ended = sw.backend.ended(running)
+    told = 0
+    for r in running:
+        status = report.run_status(c, r.run_id) if r.run_id else "FAILED"
+        if status == "FINISHED":
+            values, why = report.measure(c, r.run_id, sw.objectives)
+            if values is None:
+                fail(sw, r, why)
+            else:
+                sw.state.update(r, status="complete", values=values)
+                sw.study.tell(r.number, values, skip_if_finished=True)
+                sw.state.update(r, told=True)
+                shown = ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(sw.objectives, values))
+                print(f"trial {r.number} ({r.layout}): {shown}", file=sys.stderr)
+        elif r.number in ended and ended[r.number] == "gone" and r.attempts < MAX_ATTEMPTS:
+            sw.state.update(r, status="prepared")  # resubmit: it resumes its own checkpoint
+            continue
+        elif status in ("FAILED", "KILLED") or r.number in ended:
+            fail(sw, r, f"run {status.lower()}, job {r.job_id} {ended.get(r.number, '')}".strip())
+        else:
+            continue
+        told += 1
+    return told
+
+
+def fail(sw: Sweep, record: TrialRecord, reason: str) -> None:
+    import optuna
+
+    sw.state.update(record, status="failed", reason=reason)
+    set_attr(sw, record.number, "failed", reason)
+    sw.study.tell(record.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    sw.state.update(record, told=True)
+    print(f"trial {record.number} failed: {reason} (log: {record.run_dir})", file=sys.stderr)
+
+
+def step(sw: Sweep, ask_more: bool) -> None:
+    """One pass: ask a round when none is running, prepare, submit, poll."""
+    n_left = sw.state.plan["budget"] - len(sw.state.trials)
+    if ask_more and n_left > 0 and not sw.state.in_flight():
+        ask(sw, min(sw.sweep.array_size, n_left))
+    prepare(sw, sw.state.with_status("asked"))
+    submit(sw)
+    if poll(sw):
+        report.update_parent(sw.state, sw.uri, sw.objectives)
+
+
+def finished(sw: Sweep) -> bool:
+    return len(sw.state.trials) >= sw.state.plan["budget"] and not sw.state.in_flight()
+
+
+def run(sw: Sweep) -> int:
+    """Drive the sweep to its budget (or, detached, submit everything and return)."""
+    start(sw)
+    try:
+        if sw.sweep.detach:
+            while len(sw.state.trials) < sw.state.plan["budget"] or \
+                    sw.state.with_status("asked", "prepared"):
+                n_left = sw.state.plan["budget"] - len(sw.state.trials)
+                if n_left > 0:
+                    ask(sw, min(sw.sweep.array_size, n_left))
+                prepare(sw, sw.state.with_status("asked"))
+                submit(sw)
+            report.update_parent(sw.state, sw.uri, sw.objectives)
+            print(f"submitted; follow with: python -m workbench.sweep status {sw.sweep.name}"
+                  f" (collect: python -m workbench.sweep collect {sw.sweep.name})")
+            return 0
+        while not finished(sw):
+            step(sw, ask_more=True)
+            if not finished(sw):
+                time.sleep(sw.sweep.poll_s)
+        if sw.sweep.name.startswith("lowrank"):  # comparison report on the parent run
+            from workbench.sweep.lowrank import finish as lowrank_finish
+
+            lowrank_finish(sw)
+        report.update_parent(sw.state, sw.uri, sw.objectives, finished=True)
+        print(report.table(sw.state, sw.objectives))
+        return 0
+    finally:
+        sw.state.unlock()
+
+
+@guarded
+def main(argv: list[str]) -> int:
+    sw = load(argv)
+    return run(sw)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
