@@ -203,4 +203,32 @@ def test_validate_reads_the_software_stack_from_the_row() -> None:
     assert r.fp8_scaling == "rowwise" and r.async_tp and not r.overlap_tp and r.compiled
     assert _software("FP8 linears", "Float8", "FSDP2").fp8_scaling == "tensorwise"
     m = _software("BF16", "--tp-comm-overlap, --overlap-param-gather", "")
-    assert m.overlap_tp and m.dist_optimizer and not m.async_tp
+    assert m.overlap_tp and m.dist_optimizer and not m.async_tp and not m.eager
+    # PyTorch FSDP without compile runs eager ops; torchao Float8 implies compile
+    e = _software("BF16", "1D FSDP2", "FSDP2")
+    assert e.eager and not e.compiled
+    f8 = _software("FP8 linears", "optimizations=Float8", "FSDP2")
+    assert f8.compiled and not f8.eager
+    assert not _software("BF16", "FSDP+compile", "FSDP2").eager
+
+
+def test_eager_elementwise_costs_more_than_fused_and_sp_follows_tp_comm_overlap() -> None:
+    from dataclasses import replace
+
+    from workbench.plan.validate import default_csv, predict_case, read_rows, row_case
+
+    _, rows = read_rows(default_csv()) if default_csv().is_file() else (None, [])
+    model = ModelConfig(name="m", family="llama", n_layers=4, hidden=1024, n_heads=8,
+                        n_kv_heads=8, ffn_hidden=4096, vocab=32000, seq_len=2048)
+    cl, lay = cluster_for("H100-SXM-80GB", 8), Layout(dp_shard=8, micro_batch=1)
+    from workbench.plan.terms import Software
+
+    fused = estimate(model, cl, TrainConfig(), lay, software=Software())
+    eager = estimate(model, cl, TrainConfig(), lay, software=replace(Software(), eager=True))
+    comp = estimate(model, cl, TrainConfig(), lay, software=replace(Software(), compiled=True))
+    assert comp.step_time_s < fused.step_time_s < eager.step_time_s
+    for row in rows:
+        if "tp-comm-overlap" in row["notes"] and int(row["tp"]) > 1:
+            case = row_case(row)
+            assert case.layout.sequence_parallel
+            assert predict_case(case).step_time_s > 0

@@ -67,9 +67,17 @@ class Coefficients:
     # puts rowwise 0.9 s (8B) and 7.1 s (70B) per step behind tensorwise, i.e. 5-5.3 bytes per
     # operand element and pass after the BF16-vs-FP8 TP gather difference.
     fp8_rowwise_cast_bytes: float = 5.0
-    # Elementwise HBM traffic with torch.compile / fused kernels relative to eager: fusion keeps
-    # intermediate tensors of norm/activation/rope chains in registers.
+    # Elementwise HBM traffic with torch.compile relative to the hand-fused kernels (Megatron /
+    # Transformer Engine) elem_traffic stands for: fusion keeps intermediate tensors of
+    # norm/activation/rope chains in registers.
     compile_elem_factor: float = 0.5
+    # The same for PyTorch eager (torchtitan without torch.compile): one kernel per op, and the
+    # Llama reference code upcasts to FP32 inside RMSNorm (float, pow, mean, mul, type_as, *w:
+    # ~36 bytes per element vs ~6 fused) and RoPE (float, complex mul, type_as: ~20 vs ~4), and
+    # runs SiLU, the gate multiply and the residual adds as separate kernels. Counting bytes per
+    # token of a Llama-3 8B block gives ~149h forward (~3x that fwd+bwd) against the ~68h of
+    # fused kernels this model's elem_traffic stands for: ~2.2x.
+    eager_elem_factor: float = 2.2
     # Fraction of data-parallel communication hidden behind compute when the stack overlaps it
     # (bucketed all-reduce / FSDP prefetch; PyTorch DDP paper reports most of it hidden).
     dp_overlap: float = 0.85

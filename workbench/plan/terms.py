@@ -50,6 +50,9 @@ class Software:
     # forward) instead of one all-reduce.
     dist_optimizer: bool = False
     compiled: bool = False  # torch.compile / fused kernels: fewer elementwise HBM round trips
+    # PyTorch eager elementwise ops (one kernel per op, FP32 upcasts in norms/RoPE); False: the
+    # fused kernels of Megatron/Transformer Engine (or compiled, see above).
+    eager: bool = False
     # FP8 scaling granularity (torchao): "tensorwise" (one scale per tensor; the producer's
     # kernel fuses amax and cast, and TP all-gathers travel in FP8) or "rowwise" (one scale per
     # row: separate amax/cast kernels per operand and axis, TP all-gathers stay in BF16).
@@ -189,7 +192,8 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
         + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
     act = activation_bytes_per_token(ms, sw, tp, a["sp"])
-    traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled else 1.0)
+    traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
+                                 else co.eager_elem_factor if sw.eager else 1.0)
     elem_f = traffic * tok * (act["rep"] + act["split"] + act["quad"]) / hbm
     if sw.precision == "fp8" and sw.fp8_scaling == "rowwise":  # per-operand amax + cast kernels
         elem_f = elem_f + co.fp8_rowwise_cast_bytes * tok * fp8_operand_elems(ms, tp) / hbm

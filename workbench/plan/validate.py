@@ -68,9 +68,14 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
     scaling from the precision text (torchao's default recipe is tensorwise), CP load balancing
     is assumed unless the notes say otherwise."""
     p, n = precision.upper(), notes.lower().replace(" ", "")
-    zero3 = "ZERO" in shard.upper()
+    zero3, torch_fsdp = "ZERO" in shard.upper(), "FSDP" in shard.upper()
+    # PyTorch-FSDP stacks (torchtitan) run eager elementwise ops unless compiled; torchao Float8
+    # needs torch.compile to fuse its amax/casts (torchao/torchtitan float8 docs), so their FP8
+    # rows count as compiled. Megatron/TE rows keep their fused kernels (neither flag).
+    compiled = "compile" in n or (torch_fsdp and "FP8" in p)
     facts = {"overlap_tp": "tp-comm-overlap" in n, "async_tp": "asynctp" in n,
-             "dist_optimizer": "overlap-param-gather" in n, "compiled": "compile" in n,
+             "dist_optimizer": "overlap-param-gather" in n, "compiled": compiled,
+             "eager": torch_fsdp and not compiled,
              "dp_stack": "deepspeed_zero3" if zero3 else "fsdp",
              "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n}
     if "FP8" in p:
@@ -114,8 +119,10 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
     m = re.search(r"CP\s*=\s*(\d+)", cpsp)
     cp = int(m.group(1)) if m else 1
     shard = (row.get("zero_or_fsdp") or "").upper()
-    # PyTorch FSDP2 + TP (torchtitan) always shards norms/residuals along the sequence.
-    sp = tp > 1 and (cpsp.startswith("SP") or "FSDP2" in shard)
+    # PyTorch FSDP2 + TP (torchtitan) always shards norms/residuals along the sequence, and
+    # Megatron's --tp-comm-overlap refuses to run without --sequence-parallel (arguments.py).
+    notes = (row.get("notes") or "").lower()
+    sp = tp > 1 and (cpsp.startswith("SP") or "FSDP2" in shard or "tp-comm-overlap" in notes)
     mb = _int(row, "micro_batch", 1)
     if not (row.get("global_batch") or "").strip() and pp > 1:
         raise ValueError("missing global_batch (the pipeline schedule depends on it)")
