@@ -108,8 +108,9 @@ def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
                   virtual_stages=cfg.virtual_stages)
 
 
-def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:
-    """Reject a layout that cannot run this model at this world size; the error names the rule."""
+def validate(layout: Layout, model: ModelConfig, world_size: int, device: str = "cpu") -> None:
+    """Reject a layout that cannot run this model at this world size on this device type
+    (cluster.device); the error names the rule."""
     for n in _KEY_ORDER + ("micro_batch", "grad_accum", "virtual_stages"):
         if getattr(layout, n) < 1:
             raise ConfigError(f"layout.{n}", getattr(layout, n), "must be >= 1")
@@ -129,6 +130,16 @@ def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:
     if model.ffn_hidden % layout.tp:
         raise ConfigError("layout.tp", layout.tp,
                           f"must divide model.ffn_hidden={model.ffn_hidden}")
+    if model.vocab % layout.tp:
+        raise ConfigError("layout.tp", layout.tp, f"must divide model.vocab={model.vocab}")
+    if layout.sequence_parallel and model.family == "gpt2":
+        raise ConfigError("layout.sequence_parallel", True,
+                          "not supported for model.family=gpt2 (learned positions are added "
+                          "before the sequence is split); use tp without it")
+    if layout.pp > 1 and model.tie_embeddings:
+        raise ConfigError("layout.pp", layout.pp,
+                          "pipeline stages cannot share tied embeddings (model.tie_embeddings)")
+    validate_cp(layout, device)
     stages = layout.pp * layout.virtual_stages
     if model.n_layers % stages:
         raise ConfigError("layout.pp", layout.pp,
@@ -152,3 +163,14 @@ def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:
         raise ConfigError("layout.cp", layout.cp,
                           f"cp (x tp with sequence parallel) = {seq_split} must divide "
                           f"model.seq_len={model.seq_len}")
+
+
+def validate_cp(layout: Layout, device: str) -> None:
+    """Context parallelism: PyTorch's context-parallel attention rewrites only the CUDA SDPA
+    kernels (flash / efficient / cuDNN) into ring attention; on the CPU there is no such kernel."""
+    if layout.cp == 1:
+        return
+    why = ("PyTorch's context-parallel attention only replaces the CUDA flash/efficient/cuDNN "
+           "SDPA kernels; the CPU (gloo) path has none" if device != "cuda"
+           else "context parallelism is not implemented by the engine yet")
+    raise ConfigError("layout.cp", layout.cp, f"must be 1: {why}")

@@ -31,7 +31,7 @@ def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
         layout = best_layout(cfg.model, cfg.cluster, cfg.train, world_size, cfg.lowrank)
     else:
         layout = layouts.resolve(cfg.layout, cfg.train, world_size)
-    layouts.validate(layout, cfg.model, world_size)
+    layouts.validate(layout, cfg.model, world_size, device=cfg.cluster.device)
     return layout
 
 
@@ -158,7 +158,13 @@ def main(argv: List[str]) -> int:
 
         return sweep_main(argv)
     cfg, job = start(argv)
-    last = launch(cfg, job)
+    try:
+        last = launch(cfg, job)
+    except RuntimeError as e:  # ranks failed: their logs said why; one line here, not a trace
+        if type(e).__name__ != "RanksFailed":
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     print(summary(cfg, job, last))
     return 0
 

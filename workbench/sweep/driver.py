@@ -307,7 +307,7 @@ def run(sw: Sweep) -> int:
             step(sw, ask_more=True)
             if not finished(sw):
                 time.sleep(sw.sweep.poll_s)
-        if sw.sweep.name.startswith("lowrank"):  # comparison report on the parent run
+        if "lowrank" in sw.sweep.space:  # modes compared: the report on the parent run
             from workbench.sweep.lowrank import finish as lowrank_finish
 
             lowrank_finish(sw)

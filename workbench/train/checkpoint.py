@@ -18,7 +18,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -103,9 +103,11 @@ class CheckpointDir:
             return "sha256 mismatch (corrupt)"
         return None
 
-    def load_latest(self) -> Optional[Tuple[int, Dict[str, Any]]]:
+    def load_latest(self, template: Optional[Callable[[], Dict[str, Any]]] = None
+                    ) -> Optional[Tuple[int, Dict[str, Any]]]:
         """The newest whole checkpoint, or None if there is none at all. Checkpoints that exist
-        but are all damaged are an error: silently restarting would discard recorded work."""
+        but are all damaged are an error: silently restarting would discard recorded work.
+        `template` (the state to load into) is for sharded checkpoints; a whole file ignores it."""
         bad = []
         for step in reversed(self.steps()):
             why = self.verify(step)

@@ -81,6 +81,16 @@ class LocalEngine:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.model.load_state_dict(state)
 
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer,
+                              state: Dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
     def comm_bytes(self) -> Dict[str, float]:
         return {}
 

@@ -39,6 +39,12 @@ class Engine(Protocol):
     def clip_grad_norm(self, max_norm: float) -> float: ...
     def state_dict(self) -> Dict[str, Any]: ...
     def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+    # The optimizer's state through the engine: multi-rank engines key it by parameter name
+    # (torch.distributed.checkpoint), so a checkpoint loads into another layout.
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]: ...
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer,
+                              state: Dict[str, Any]) -> None: ...
+    def any_rank(self, flag: bool) -> bool: ...  # True everywhere if true on one rank
     def comm_bytes(self) -> Dict[str, float]: ...
     def peak_mem_bytes(self) -> float: ...
 
@@ -65,6 +71,12 @@ def make_optimizer(params: List[torch.nn.Parameter], cfg: RunConfig,
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
 
 
+def _process_start_s() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def cpu_peak_rss_bytes() -> float:
     """Peak resident memory of this process (ru_maxrss is KiB on Linux)."""
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
@@ -85,6 +97,9 @@ class LoopContext:
     # Polled after every step; True (a preemption or time-limit signal arrived) makes the loop
     # write a checkpoint and return early with last["stopped_at"] set, for a requeue to resume.
     stop_requested: Optional[Callable[[], bool]] = None
+    # Low-rank training (switch.LowRankController): may factorize the model mid-run and hand
+    # back a new optimizer; its state rides in every checkpoint. None: plain full rank.
+    lowrank: Optional[Any] = None
 
 
 def micro_batches(ctx: LoopContext, tokens: np.ndarray, split: str, step: int,
@@ -106,19 +121,24 @@ def micro_batches(ctx: LoopContext, tokens: np.ndarray, split: str, step: int,
 def evaluate(ctx: LoopContext, val: np.ndarray) -> float:
     """Mean loss over a fixed set of validation sequences (the same at every evaluation)."""
     t = ctx.cfg.train
-    count = t.eval_batches * ctx.layout.micro_batch * ctx.engine.dp_size
+    # The same sequences for every layout (when eval_batches is a multiple of dp), split
+    # across data-parallel ranks; rounded up to whole micro-batches on every rank otherwise.
+    per = ctx.layout.micro_batch * ctx.engine.dp_size
+    count = -(-t.eval_batches * ctx.layout.micro_batch // per) * per
     return ctx.engine.eval_loss(micro_batches(ctx, val, "val", 0, count))
 
 
 def resume(ctx: LoopContext, optimizer: torch.optim.Optimizer) -> int:
     """Restore model, optimizer, RNG and data position from the newest whole checkpoint; returns
     the first step to run."""
-    found = ctx.ckpt.load_latest()
+    # A sharded checkpoint loads in place, into the shapes of this layout: hence the template.
+    found = ctx.ckpt.load_latest(template=lambda: {
+        "model": ctx.engine.state_dict(), "optimizer": ctx.engine.optim_state_dict(optimizer)})
     if found is None:
         return 0
     step, state = found
     ctx.engine.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    ctx.engine.load_optim_state_dict(optimizer, state["optimizer"])
     set_rng_state(state["rng"])
     if ctx.engine.is_main:
         print(f"resumed from checkpoint at step {step}", file=sys.stderr)
@@ -127,9 +147,12 @@ def resume(ctx: LoopContext, optimizer: torch.optim.Optimizer) -> int:
 
 def save(ctx: LoopContext, optimizer: torch.optim.Optimizer, next_step: int) -> None:
     ctx.tracker.flush()  # metrics up to this step are recorded before the checkpoint exists
-    state = {"model": ctx.engine.state_dict(), "optimizer": optimizer.state_dict(),
+    state = {"model": ctx.engine.state_dict(),
+             "optimizer": ctx.engine.optim_state_dict(optimizer),
              "rng": rng_state(), "next_step": next_step, "data_position": next_step,
              "layout": ctx.layout.key()}
+    if ctx.lowrank is not None:
+        state["lowrank"] = ctx.lowrank.state_dict()
     ctx.ckpt.save(next_step, state)
 
 
@@ -137,8 +160,13 @@ def train(ctx: LoopContext) -> Dict[str, float]:
     """Run steps [resume point, train.steps); returns the last metrics."""
     cfg, t = ctx.cfg, ctx.cfg.train
     train_tok, val_tok = ctx.data.train.array(), ctx.data.val.array()
-    optimizer = make_optimizer(ctx.engine.parameters(), cfg,
-                               fused=ctx.engine.device.type == "cuda")
+    lowrank = ctx.lowrank
+    if lowrank is not None:  # restores its state (factorized shapes) before the optimizer
+        lowrank.prepare(ctx.ckpt)
+        optimizer = lowrank.make_optimizer()
+    else:
+        optimizer = make_optimizer(ctx.engine.parameters(), cfg,
+                                   fused=ctx.engine.device.type == "cuda")
     start = resume(ctx, optimizer)
     # Per key, the last step already recorded by an earlier attempt of this run.
     logged = {k: ctx.tracker.last_logged_step(k) if start > 0 else -1
@@ -155,7 +183,7 @@ def train(ctx: LoopContext) -> Dict[str, float]:
     for step in range(start, t.steps):
         if step % t.eval_every == 0:
             log({"val_loss": evaluate(ctx, val_tok)}, step)
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg) * (lowrank.lr_factor(step) if lowrank is not None else 1.0)
         for group in optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
@@ -173,6 +201,11 @@ def train(ctx: LoopContext) -> Dict[str, float]:
                 "mfu": ctx.flops_per_token * tokens_per_s
                 / (ctx.peak_flops_per_device * ctx.world_size),
                 "peak_mem_bytes": ctx.engine.peak_mem_bytes(), **ctx.engine.comm_bytes()}
+        if lowrank is not None:  # stable ranks; at the switch, a factorized model and optimizer
+            optimizer, extra = lowrank.after_step(step, optimizer, lr)
+            last.update(extra)
+        if step == start:  # startup cost as a user feels it: process start to first step done
+            last["time_to_first_step_s"] = time.time() - _process_start_s()
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr")
         if step % t.log_every == 0 or step == t.steps - 1:
@@ -184,9 +217,11 @@ def train(ctx: LoopContext) -> Dict[str, float]:
                 last["val_loss"] = evaluate(ctx, val_tok)
                 log({"val_loss": last["val_loss"]}, step + 1)
             save(ctx, optimizer, step + 1)
-        elif ctx.stop_requested is not None and ctx.stop_requested():
+        elif ctx.stop_requested is not None and ctx.engine.any_rank(ctx.stop_requested()):
             save(ctx, optimizer, step + 1)
             last["stopped_at"] = step + 1
             break
+    if lowrank is not None:
+        lowrank.finish()
     ctx.tracker.flush()
     return last

@@ -6,13 +6,15 @@ knows how it was started. World size and rank come from the environment torchrun
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from workbench.cli import guarded
+from workbench.config import compute_dtype
 from workbench.data.corpus import open_tokens
 from workbench.job import Job
 from workbench.track.tracker import make_tracker
@@ -20,13 +22,14 @@ from workbench.train import loop
 from workbench.train.checkpoint import CheckpointDir
 from workbench.train.engine import LocalEngine
 from workbench.train.model import build, flops_per_token
+from workbench.train.switch import make_controller
 
 
 def peak_flops(cfg) -> float:
     c = cfg.cluster
     if c.device == "cpu":
         return c.peak_fp32_flops
-    return c.peak_bf16_flops if cfg.train.dtype == "bf16" else c.peak_fp32_flops
+    return c.peak_bf16_flops if compute_dtype(cfg.train, c) == "bf16" else c.peak_fp32_flops
 
 
 def world_from_env() -> Dict[str, int]:
@@ -42,28 +45,52 @@ def make_engine(job: Job, cfg, world: Dict[str, int]):
         else torch.device("cpu")
     model = build(cfg.model, cfg.train.seed, device)
     if world["world_size"] == 1:
-        return LocalEngine(model, device, cfg.train.dtype, layout.recompute, cfg.train.compile)
+        return LocalEngine(model, device, compute_dtype(cfg.train, cfg.cluster),
+                           layout.recompute, cfg.train.compile)
     from workbench.train.parallelize import make_parallel_engine
 
     return make_parallel_engine(model, cfg, layout, world, device)
 
 
-def run_job(job: Job, progress: bool = True) -> Dict[str, float]:
-    """Train the job to its last step (resuming if it has checkpoints); returns final metrics."""
+def run_job(job: Job, progress: bool = True,
+            stop_requested: Optional[Callable[[], bool]] = None) -> Dict[str, float]:
+    """Train the job to its last step (resuming if it has checkpoints); returns final metrics.
+    `stop_requested` (polled each step; the Slurm launcher's preemption flag) makes the loop
+    checkpoint and return early with last["stopped_at"], for a requeue to resume."""
     cfg = job.run_config()
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     world = world_from_env()
     if world["world_size"] != job.world_size:
         raise RuntimeError(f"job expects world size {job.world_size}, got {world['world_size']}")
+    if world["world_size"] == 1:
+        return _train(job, cfg, world, progress, stop_requested)
+    # Several ranks: the default group (with byte counting) lives exactly as long as training.
+    import torch.distributed as dist
+
+    from workbench.train import comm
+
+    if cfg.cluster.device == "cuda":
+        torch.cuda.set_device(world["local_rank"])
+    comm.init_process_group(cfg.cluster.device, world["rank"], world["world_size"])
+    try:
+        return _train(job, cfg, world, progress, stop_requested)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(job: Job, cfg, world: Dict[str, int], progress: bool,
+           stop_requested: Optional[Callable[[], bool]]) -> Dict[str, float]:
     engine = make_engine(job, cfg, world)
     tracker = make_tracker(cfg.tracking, job.run_id, owns_metrics=engine.is_main)
     bar = _progress(cfg.train.steps) if progress and engine.is_main else None
     ctx = loop.LoopContext(
         cfg=cfg, layout=job.the_layout(), engine=engine, data=open_tokens(job.data_dir),
-        tracker=tracker, ckpt=CheckpointDir(_ckpt_dir(job, world), cfg.train.keep_ckpts),
+        tracker=tracker, ckpt=_ckpt(job, world, cfg.train.keep_ckpts),
         flops_per_token=flops_per_token(cfg.model), peak_flops_per_device=peak_flops(cfg),
-        world_size=job.world_size, on_step=bar.on_step if bar else None)
+        world_size=job.world_size, on_step=bar.on_step if bar else None,
+        stop_requested=stop_requested,
+        lowrank=make_controller(cfg, engine, tracker, job.run_dir))
     try:
         last = loop.train(ctx)
     except BaseException:
@@ -75,32 +102,47 @@ def run_job(job: Job, progress: bool = True) -> Dict[str, float]:
             bar.close()
     # A run stopped for a requeue stays RUNNING: its next attempt continues the same MLflow run.
     tracker.close("RUNNING" if "stopped_at" in last else "FINISHED")
+    if job.world_size > 1 and engine.is_main:  # the torchrun launcher reads it back
+        path = os.path.join(job.run_dir, FINAL_METRICS)
+        with open(path + ".tmp", "w") as f:
+            json.dump(last, f)
+        os.replace(path + ".tmp", path)
     return last
 
 
-def _ckpt_dir(job: Job, world: Dict[str, int]) -> str:
+FINAL_METRICS = "final_metrics.json"
+
+
+def _ckpt(job: Job, world: Dict[str, int], keep: int):
+    """One whole file per checkpoint on one rank; sharded DCP folders, one set per layout,
+    on several (a run dir resumed in another layout starts its own set)."""
     base = os.path.join(job.run_dir, "checkpoints")
-    return base if job.world_size == 1 else os.path.join(base, f"rank{world['rank']:05d}")
+    if job.world_size == 1:
+        return CheckpointDir(base, keep)
+    from workbench.train.dcp import DistCheckpointDir
+
+    return DistCheckpointDir(os.path.join(base, job.layout), keep, world["rank"])
 
 
 class _progress:
     """A tqdm bar with loss and tokens/s (stderr, so stdout stays machine-readable)."""
 
     def __init__(self, total: int):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr,
-                        dynamic_ncols=True, mininterval=0.5)
+        self.total, self.bar = total, None
 
     def on_step(self, step: int, m: Dict[str, float]) -> None:
-        if self.bar.n == 0 and step > 0:
-            self.bar.update(step)
+        if self.bar is None:  # created at the first step: a run that fails early prints one line
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=step, desc="train", unit="step",
+                            file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
         self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}",
                              refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 @guarded

@@ -1,0 +1,61 @@
+"""`+sweep=lowrank_vs_fullrank`, scaled down (a tiny model, a few dozen steps), end to end: DDP on
+2 gloo ranks through torchrun, the four modes as child runs of one parent, measured bytes per
+step, the switch window, and the comparison report attached to the parent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import cli, metric_series
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["model.n_layers=4", "model.hidden=64", "model.ffn_hidden=256", "model.seq_len=64",
+         "train.steps=30", "train.global_batch=8", "train.micro_batch=4",
+         "train.warmup_steps=3", "train.eval_every=10", "data.max_bytes=400000",
+         "lowrank.keep_first_blocks=0", "lowrank.keep_last_blocks=0", "lowrank.check_every=2",
+         "lowrank.window=3", "lowrank.powersgd_start_iter=5", "sweep.name=lr_ci"]
+
+
+def test_lowrank_sweep_on_two_ddp_ranks(workdir):
+    from mlflow.tracking import MlflowClient
+
+    proc = cli("workbench.run", ["+sweep=lowrank_vs_fullrank", *SMALL], workdir, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trials = json.loads((workdir / "sweeps" / "lr_ci" / "trials.json").read_text())
+    assert sorted(t["status"] for t in trials.values()) == ["complete"] * 4
+    runs = {t["params"]["lowrank.mode"]: t for t in trials.values()}
+    c = MlflowClient()
+
+    def series(mode, key):
+        return [v for _, v in metric_series(runs[mode]["run_id"], key)]
+
+    full = series("off", "comm/bytes_per_step")
+    trainable_full = series("off", "params/trainable")[-1]
+    # DDP's measured all-reduce is every gradient once (fp32) plus the 4-byte loss mean
+    assert full[-1] == 4 * trainable_full + 4
+    for mode in ("adaptive", "fixed"):
+        with open(runs[mode]["run_dir"] + "/rank_map.json") as f:
+            m = json.load(f)
+        switch = m["switch_step"]
+        assert 0.05 * 30 <= switch <= 0.25 * 30, (mode, switch)
+        bytes_ = series(mode, "comm/bytes_per_step")
+        assert bytes_[switch - 1] == full[switch - 1]  # identical before the switch
+        after = series(mode, "params/trainable")[-1]
+        assert bytes_[-1] == 4 * after + 4 and bytes_[-1] < full[-1]
+        rank_keys = [k for k in c.get_run(runs[mode]["run_id"]).data.metrics
+                     if k.startswith("rank/")]
+        assert len(rank_keys) == len(m["layers"]) > 0
+    # fixed at rank ratio 0.25 on every block: well over 40% fewer bytes
+    assert series("fixed", "comm/bytes_per_step")[-1] <= 0.6 * full[-1]
+    # PowerSGD rank 4: full all-reduce before its start iteration, far less after
+    psgd = series("powersgd", "comm/bytes_per_step")
+    assert psgd[0] == full[0] and psgd[-1] < 0.2 * full[-1]
+    # every mode logged val_loss at the same token budget; the parent holds the report
+    assert all(len(series(m, "val_loss")) == 4 for m in runs)
+    parent = json.loads((workdir / "sweeps" / "lr_ci" / "plan.json").read_text())["parent_run_id"]
+    files = {f.path for f in c.list_artifacts(parent, "report")}
+    assert {"report/report.md", "report/report.html", "report/loss_vs_tokens.png"} <= files
+    md = (workdir / "sweeps" / "lr_ci" / "report" / "report.md").read_text()
+    assert all(f"| {m} |" in md for m in ("off", "adaptive", "fixed", "powersgd"))

@@ -1,0 +1,67 @@
+"""The torchrun launcher: N local processes through `torch.distributed.run --standalone`.
+
+Every rank runs the same entry point with the same job file as the local launcher
+(`python -m workbench.train JOB_FILE`); the rank that holds the loss writes
+`run_dir/final_metrics.json`, which this launcher returns. gloo on CPU, NCCL on GPUs: the rank
+entry picks the backend from the job's cluster.device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+from workbench.config import LauncherConfig
+from workbench.job import Job
+
+
+class RanksFailed(RuntimeError):
+    """The ranks of a torchrun job exited with an error."""
+
+
+class TorchrunLauncher:
+    def __init__(self, cfg: LauncherConfig):
+        self.cfg = cfg
+
+    def world_size(self) -> int:
+        return self.cfg.nproc_per_node * self.cfg.nodes
+
+    def command(self, job: Job) -> List[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nnodes", "1", "--nproc_per_node", str(self.cfg.nproc_per_node),
+                "-m", "workbench.train", str(job.path)]
+
+    def launch(self, job: Job) -> Dict[str, float]:
+        """Run the job to completion; the final metrics of the loss-holding rank."""
+        if self.cfg.nodes != 1:
+            from workbench.config import ConfigError
+
+            raise ConfigError("launcher.nodes", self.cfg.nodes,
+                              "torchrun --standalone is one node; use launcher=slurm for more")
+        from workbench.train.main import FINAL_METRICS
+
+        _check_layout(job)
+        result = Path(job.run_dir) / FINAL_METRICS
+        result.unlink(missing_ok=True)
+        env = dict(os.environ)
+        # One intra-op thread per rank unless asked: N ranks share the node's cores.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                  // self.cfg.nproc_per_node)))
+        proc = subprocess.run(self.command(job), env=env)
+        if proc.returncode != 0:
+            raise RanksFailed(f"torchrun job {job.path} failed: the ranks exited with status "
+                              f"{proc.returncode} (their errors are printed above)")
+        if not result.exists():
+            raise RanksFailed(f"torchrun job {job.path} exited 0 but wrote no {FINAL_METRICS}")
+        return json.loads(result.read_text())
+
+
+def _check_layout(job: Job) -> None:
+    """Backend limits (CP on gloo) are rejected here too, before any process starts."""
+    from workbench.train.parallelize import check_backend
+
+    check_backend(job.the_layout(), job.run_config().cluster.device)

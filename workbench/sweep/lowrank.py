@@ -1,0 +1,33 @@
+"""The end of `+sweep=lowrank_vs_fullrank`: the comparison report of its child runs (off,
+adaptive, fixed, powersgd), written under the sweep's folder and attached to the parent run.
+
+The sweep itself is an ordinary grid over `lowrank.mode` run by the sweep driver; only this
+last step is specific to it (the driver calls `finish` for sweeps whose space varies lowrank.*)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def finish(sw: Any) -> None:
+    """Build the report from the complete trials; a failure here never loses the sweep."""
+    from workbench import report
+
+    ids = [r.run_id for r in sorted(sw.state.with_status("complete"), key=lambda r: r.number)
+           if r.run_id]
+    if not ids:
+        print("lowrank sweep: no complete trial, no comparison report", file=sys.stderr)
+        return
+    out = sw.state.folder / "report"
+    c = report.client(sw.uri)
+    try:
+        result = report.build(c, ids, out)
+        parent = sw.state.plan.get("parent_run_id")
+        if parent:
+            report.attach(c, parent, out, result["rows"])
+    except Exception as e:  # noqa: BLE001 - the trials are recorded; say why the report is not
+        print(f"lowrank sweep: comparison report failed: {e}", file=sys.stderr)
+        return
+    print(result["markdown"])
+    print(f"comparison report: {out / 'report.html'}", file=sys.stderr)

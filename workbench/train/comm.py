@@ -1,0 +1,250 @@
+"""Measured communication: a process group that forwards every collective to a real backend
+(gloo on CPU, NCCL on GPUs) and counts the bytes each call moves, by kind.
+
+Why a wrapper group rather than an estimate or the profiler: DDP's reducer (C++), FSDP2 (Python),
+DTensor's functional collectives (C++) and the pipeline's send/recv all end in the methods of the
+ProcessGroup object, so one subclass sees every byte the engine puts on the wire, with no
+per-step profiler cost. Counting convention (bytes per rank, "payload"): all-reduce and broadcast
+count the tensor; all-gather counts the gathered output; reduce-scatter counts the unreduced
+input; point-to-point counts what this rank sends. Groups of one rank count nothing (nothing
+leaves the rank).
+
+All groups the backend creates in a process share one `ByteCounter` (DeviceMesh finds groups
+by a name derived from their ranks, so a collective may reach an older group of the same ranks);
+the engine reaches it through its default group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Dict, Iterable, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("allreduce", "reduce_scatter", "allgather", "p2p", "broadcast", "other")
+_BACKENDS = {"cpu": "wb_gloo", "cuda": "wb_nccl"}
+_INNER = {"wb_gloo": "gloo", "wb_nccl": "nccl"}
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ByteCounter:
+    """Payload bytes by collective kind since the last reset, for every counting group of the
+    process; `paused` leaves bookkeeping collectives out."""
+
+    def __init__(self) -> None:
+        self.counts: Dict[str, int] = defaultdict(int)
+        self.paused = False
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def totals(self) -> Dict[str, int]:
+        return {k: self.counts.get(k, 0) for k in KINDS}
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+
+class CountingGroup(dist.ProcessGroup):
+    """A ProcessGroup that counts payload bytes per collective kind and delegates to `inner`."""
+
+    def __init__(self, inner: Any, rank: int, size: int, backend_name: str,
+                 counter: ByteCounter):
+        super().__init__(rank, size)
+        self.inner, self._rank, self._size = inner, rank, size
+        self._backend_name = backend_name
+        self._name, self._desc = "", ""
+        self.counter = counter
+
+    # --- identity (c10d and DeviceMesh ask for these) ---
+    def getBackendName(self) -> str:  # noqa: N802 (C++ name)
+        return self._backend_name
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def _add(self, kind: str, tensors: Iterable[torch.Tensor]) -> None:
+        if not self.counter.paused and self._size > 1:
+            self.counter.counts[kind] += _nbytes(tensors)
+
+    # --- collectives ---
+    def allreduce(self, tensors: List[torch.Tensor], opts=None):
+        self._add("allreduce", tensors)
+        return self.inner.allreduce(tensors, opts)
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None):
+        self._add("allreduce", tensors)
+        return self.inner.allreduce_coalesced(tensors, opts)
+
+    def allgather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+                  opts=None):
+        self._add("allgather", [t for out in outputs for t in out])
+        return self.inner.allgather(outputs, inputs, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
+        self._add("allgather", [output])
+        return self.inner._allgather_base(output, input, opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor],
+                                    inputs: List[torch.Tensor], opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _last_after_waiting(works)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
+                       opts=None):
+        self._add("reduce_scatter", [t for inp in inputs for t in inp])
+        return self.inner.reduce_scatter(outputs, inputs, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
+        self._add("reduce_scatter", [input])
+        return self.inner._reduce_scatter_base(output, input, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor],
+                                        inputs: List[torch.Tensor], opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _last_after_waiting(works)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def broadcast(self, tensors: List[torch.Tensor], opts=None):
+        self._add("broadcast", tensors)
+        return self.inner.broadcast(tensors, opts)
+
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
+        self._add("p2p", tensors)
+        return self.inner.send(tensors, dst, tag)
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
+        return self.inner.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0):
+        return self.inner.recv_anysource(tensors, tag)
+
+    def barrier(self, opts=None):
+        return self.inner.barrier(opts) if opts is not None else self.inner.barrier()
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+        self._add("other", [input])
+        return self.inner.alltoall_base(output, input, output_splits, input_splits, opts)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        self._add("other", inputs)
+        return self.inner.alltoall(outputs, inputs, opts)
+
+    def scatter(self, outputs, inputs, opts=None):
+        self._add("other", [t for inp in inputs for t in inp])
+        return self.inner.scatter(outputs, inputs, opts)
+
+    def gather(self, outputs, inputs, opts=None):
+        self._add("other", inputs)
+        return self.inner.gather(outputs, inputs, opts)
+
+    def reduce(self, tensors, opts=None):
+        self._add("other", tensors)
+        return self.inner.reduce(tensors, opts)
+
+    def __repr__(self) -> str:
+        return f"CountingGroup({self._backend_name}, rank {self._rank} of {self._size})"
+
+
+def _last_after_waiting(works: list):
+    """Coalesced calls are issued one by one (gloo has no coalesced all-gather); wait for all
+    but the last so the returned work completes the batch."""
+    for w in works[:-1]:
+        w.wait()
+    return works[-1]
+
+
+def _create(backend_name: str, counter: ByteCounter):
+    def create(store, rank: int, size: int, timeout: timedelta) -> CountingGroup:
+        if _INNER[backend_name] == "gloo":
+            inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            inner = dist.ProcessGroupNCCL(store, rank, size, opts)
+        return CountingGroup(inner, rank, size, backend_name, counter)
+
+    return create
+
+
+def backend_for(device_type: str) -> str:
+    """The counting backend's name for a device type, registered with c10d on first use
+    (with the process's one ByteCounter)."""
+    name = _BACKENDS[device_type]
+    if name.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(name, _create(name, ByteCounter()),
+                                      devices=[device_type])
+    return name
+
+
+def counter_of(group: Any) -> Optional[ByteCounter]:
+    """The counter behind a group (the default group, say); None if it does not count."""
+    return group.counter if isinstance(group, CountingGroup) else None
+
+
+def init_process_group(device_type: str, rank: int, world_size: int,
+                       timeout_s: float = 600.0) -> None:
+    """Initialise the default group with the counting backend (env:// rendezvous from torchrun:
+    MASTER_ADDR, MASTER_PORT). main.py calls this once per rank and destroys it at the end.
+    WORKBENCH_COUNT_COMM=0 uses the plain backend instead (comm/* metrics are then 0): an escape
+    hatch should a backend feature the wrapper does not forward be needed (it has been verified
+    on gloo; NCCL through the wrapper is not verified yet)."""
+    if os.environ.get("WORKBENCH_COUNT_COMM", "1") == "0":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    else:
+        backend = backend_for(device_type)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def metric_dict(per_rank_mean: Dict[str, float]) -> Dict[str, float]:
+    """The tracked names: comm/<kind>_bytes for the four kinds the issue names, and their sum
+    over all kinds (broadcast and the rest included) as comm/bytes_per_step."""
+    out = {f"comm/{k}_bytes": per_rank_mean.get(k, 0.0)
+           for k in ("allreduce", "reduce_scatter", "allgather", "p2p")}
+    out["comm/bytes_per_step"] = float(sum(per_rank_mean.get(k, 0.0) for k in KINDS))
+    return out

@@ -1,0 +1,247 @@
+"""The multi-rank engine: what `loop.Engine` asks for, over a parallelized model and its mesh.
+
+The loop is the same for every layout; here live the differences: micro-batches run through a
+pipeline schedule or one module with gradient sync on the last micro-batch only; the reported
+loss is the global-batch mean on every rank; the gradient norm is summed over shards and stages;
+metrics (communication bytes, peak memory) are measured on every rank and reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel
+
+from workbench.config import RunConfig, compute_dtype
+from workbench.layout import Layout
+from workbench.train import comm
+from workbench.train.engine import autocast
+from workbench.train.loop import Batch, cpu_peak_rss_bytes
+from workbench.train.mesh import Mesh, uses_fsdp
+from workbench.train.model import cross_entropy
+from workbench.train.pipeline import forward_only, make_schedule, stage_ids
+
+_PARTS = ("tok_embeddings", "pos_embeddings", "norm", "output")
+
+
+def checkpoint_view(stages: List[nn.Module]) -> nn.Module:
+    """One module over this rank's stages whose parameter names are the global ones
+    (`layers.5...`), so a checkpoint written in one layout loads into another."""
+    if len(stages) == 1:
+        return stages[0]
+    view = nn.Module()
+    layers = nn.ModuleDict()
+    for stage in stages:
+        for name in _PARTS:
+            if getattr(stage, name, None) is not None:
+                setattr(view, name, getattr(stage, name))
+        for key, block in stage.layers.items():
+            layers[key] = block
+    view.layers = layers
+    return view
+
+
+class ParallelEngine:
+    """World size > 1: DDP / FSDP2 / TP(+SP) / PP on one named mesh."""
+
+    def __init__(self, parts: List[nn.Module], mesh: Mesh, layout: Layout, cfg: RunConfig,
+                 device: torch.device):
+        self.parts, self.mesh, self.layout, self.device = parts, mesh, layout, device
+        self.stages = [p.module if isinstance(p, DistributedDataParallel) else p for p in parts]
+        self.view = checkpoint_view(self.stages)
+        self.dp_rank, self.dp_size, self.is_main = mesh.dp_rank, mesh.dp_size, mesh.is_main
+        # FSDP's mixed-precision policy casts parameters itself; otherwise autocast does.
+        self.dtype = "fp32" if uses_fsdp(layout) else compute_dtype(cfg.train, cfg.cluster)
+        self.counter = comm.counter_of(dist.group.WORLD) or comm.ByteCounter()
+        self._stats: Optional[Dict[str, float]] = None
+        self.schedule = None
+        if layout.pp > 1:
+            self.stage_indices = stage_ids(layout, mesh.pp_rank)
+            n_stages = layout.pp * layout.virtual_stages
+            self.has_first = 0 in self.stage_indices
+            self.has_last = n_stages - 1 in self.stage_indices
+            self.schedule = make_schedule(parts, self.stage_indices, layout, device,
+                                          mesh.group("pp"), layout.grad_accum, cross_entropy)
+
+    def parameters(self) -> List[nn.Parameter]:
+        return [p for s in self.stages for p in s.parameters()]
+
+    # --- steps ---
+    def train_step(self, micro_batches: List[Batch]) -> float:
+        self.counter.reset()
+        self._stats = None
+        for p in self.parts:
+            p.train()
+        if self.schedule is not None:
+            local = self._pipeline_step(micro_batches)
+        else:
+            local = self._accumulate(micro_batches)
+        return self._global_mean(local)
+
+    def _accumulate(self, micro_batches: List[Batch]) -> torch.Tensor:
+        """Gradient accumulation; DDP/FSDP reduce gradients on the last micro-batch only."""
+        model, n = self.parts[0], len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            with self._grad_sync(model, i == n - 1), autocast(self.device, self.dtype):
+                loss = cross_entropy(model(x), y) / n
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    @staticmethod
+    def _grad_sync(model: nn.Module, sync: bool):
+        if isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext() if sync else model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def _pipeline_step(self, micro_batches: List[Batch]) -> torch.Tensor:
+        x = torch.cat([mb[0] for mb in micro_batches])
+        y = torch.cat([mb[1] for mb in micro_batches])
+        losses: List[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        kwargs: Dict[str, Any] = {"target": y, "losses": losses} if self.has_last else {}
+        with autocast(self.device, self.dtype):
+            self.schedule.step(*args, **kwargs)
+        return self._from_last_stage(torch.stack(losses).mean() if losses else None)
+
+    def _from_last_stage(self, value: Optional[torch.Tensor]) -> torch.Tensor:
+        """The last stage's scalar on every stage (a sum over the pp group, zeros elsewhere)."""
+        out = torch.zeros((), device=self.device, dtype=torch.float32)
+        if value is not None:
+            out += value.detach().float()
+        group = self.mesh.group("pp")
+        if group is not None:
+            dist.all_reduce(out, group=group)
+        return out
+
+    def _global_mean(self, local: torch.Tensor) -> float:
+        """Mean over data-parallel ranks of each rank's mean: the global-batch mean, since
+        every data-parallel rank holds an equal share."""
+        local = local.detach().float().clone()
+        for name in ("dp_replicate", "dp_shard"):
+            group = self.mesh.group(name)
+            if group is not None:
+                dist.all_reduce(local, group=group)
+        return float(local) / self.dp_size
+
+    @torch.no_grad()
+    def eval_loss(self, batches: List[Batch]) -> float:
+        for p in self.parts:
+            p.eval()
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            with autocast(self.device, self.dtype):
+                if self.schedule is None:
+                    total += cross_entropy(self.parts[0](x), y)
+                    continue
+                out = forward_only(self.parts, self.stage_indices, self.layout,
+                                   self.mesh.group("pp"), self.mesh.pp_rank, x, self.device,
+                                   lambda m, h: m(h))
+                if out is not None:
+                    total += cross_entropy(out, y)
+        if self.schedule is not None:
+            total = self._from_last_stage(total)
+        return self._global_mean(total / len(batches))
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of all gradients: local sums of squares, summed over the mesh
+        dimensions a gradient is sharded on, then over pipeline stages; then scale."""
+        sums: Dict[tuple, torch.Tensor] = {}
+        groups: Dict[tuple, list] = {}
+        grads = []
+        for p in self.parameters():
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                # Sequence-parallel norm gains get partial sums per sequence shard: reduce them
+                # now (the optimizer would, later) so the norm sees the true gradient.
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                   for pl in g.placements])
+                p.grad = g
+            if isinstance(g, DTensor):
+                # Any shard-like placement (FSDP's _StridedShard over TP included) splits the
+                # tensor across that mesh dimension; replicated dimensions count once.
+                dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+                key = (id(g.device_mesh), dims)
+                groups[key] = [g.device_mesh.get_group(i) for i in dims]
+                local = g.to_local()
+            else:
+                key, local = (), g
+                groups[key] = []
+            grads.append(local)
+            sq = local.detach().float().pow(2).sum()
+            sums[key] = sums[key] + sq if key in sums else sq
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for key, sq in sums.items():
+            for group in groups[key]:
+                dist.all_reduce(sq, group=group)
+            total += sq
+        if self.mesh.group("pp") is not None:
+            dist.all_reduce(total, group=self.mesh.group("pp"))
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return float(norm)
+
+    # --- checkpoints: FQN-keyed (DTensor) state for torch.distributed.checkpoint ---
+    def state_dict(self) -> Dict[str, Any]:
+        return get_model_state_dict(self.view)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        set_model_state_dict(self.view, state)
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        return get_optimizer_state_dict(self.view, optimizer)
+
+    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer,
+                              state: Dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.view, optimizer, state)
+
+    # --- agreement and metrics ---
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is true on one (a stop signal reaching only some ranks)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        with self.counter.uncounted():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def _step_stats(self) -> Dict[str, float]:
+        """Bytes by kind (mean over ranks) and peak memory (max over ranks), gathered once per
+        step with uncounted collectives."""
+        if self._stats is None:
+            counts = self.counter.totals()
+            peak = float(torch.cuda.max_memory_allocated(self.device)) \
+                if self.device.type == "cuda" else cpu_peak_rss_bytes()
+            vec = torch.tensor([float(counts[k]) for k in comm.KINDS] + [peak],
+                               dtype=torch.float64, device=self.device)
+            out = torch.empty(dist.get_world_size() * vec.numel(), dtype=torch.float64,
+                              device=self.device)
+            with self.counter.uncounted():
+                dist.all_gather_into_tensor(out, vec)
+            out = out.view(dist.get_world_size(), vec.numel())
+            mean = out[:, :-1].mean(dim=0).tolist()
+            self._stats = comm.metric_dict(dict(zip(comm.KINDS, mean)))
+            self._stats["peak_mem_bytes"] = float(out[:, -1].max())
+        return self._stats
+
+    def comm_bytes(self) -> Dict[str, float]:
+        return {k: v for k, v in self._step_stats().items() if k.startswith("comm/")}
+
+    def peak_mem_bytes(self) -> float:
+        return self._step_stats()["peak_mem_bytes"]

@@ -1,0 +1,310 @@
+"""Low-rank factorized linear layers, and the arithmetic that decides their ranks.
+
+A trained `nn.Linear` W (out x in) becomes x -> V x -> U (V x) with U = U_r sqrt(S_r) and
+V = sqrt(S_r) V_r^T from a truncated SVD: at full rank the product is W itself, and splitting
+sqrt(S) evenly keeps both factors on the same scale, which is what Adam and weight decay expect.
+
+Ranks follow the stable rank ||W||_F^2 / sigma_max^2, a smooth, cheap proxy of how many
+directions a layer actually uses (Cuttlefish, Wang et al. 2023). sigma_max comes from a few
+power iterations warm-started from the previous check, so a check costs a few matrix-vector
+products instead of an SVD. Each layer's rank is its stable rank times a scale fixed at
+initialization (full rank / stable rank at step 0), so a layer whose stable rank did not move
+keeps its full rank, and one that collapsed gets a proportionally small rank.
+
+Everything here is per-layer arithmetic; when to switch lives in switch.py.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workbench.config import LowRankConfig
+
+# Linear layers of a block that may be factorized; the tensor-parallel style of each base
+# layer decides how its factors are sharded (see tp_styles).
+_CANDIDATE = re.compile(r"^layers\.(\d+)\.(attention\.w[qkvo]|feed_forward\.w[123])$")
+COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+ROWWISE = ("attention.wo", "feed_forward.w2")
+COLD_ITERS = 30  # power iterations of a probe's first estimate (no previous vector to start from)
+
+
+class LowRankLinear(nn.Module):
+    """y = U (V x) + b at rank r: two linears, `v` (in -> r, no bias) then `u` (r -> out).
+
+    The bias sits on the second factor so that a converted layer computes exactly what the
+    full one did; `u`/`v` are plain nn.Linear so that tensor-parallel styles, FSDP and
+    optimizers treat them like any other linear."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.v = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.u = nn.Linear(rank, out_features, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.u(self.v(x))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}"
+
+    @torch.no_grad()
+    def product(self) -> torch.Tensor:
+        """U V, the dense weight this layer represents (out x in)."""
+        return self.u.weight @ self.v.weight
+
+
+@torch.no_grad()
+def factorize(linear: nn.Linear, rank: int) -> LowRankLinear:
+    """The rank-`rank` truncated-SVD factorization of a trained linear (exact at full rank).
+
+    The SVD runs in float64 so that conversion error is the truncation alone, then the factors
+    are cast back to the layer's dtype."""
+    w = linear.weight.detach()
+    out_f, in_f = w.shape
+    rank = max(1, min(rank, out_f, in_f))
+    u, s, vh = torch.linalg.svd(w.double(), full_matrices=False)
+    root = s[:rank].sqrt()
+    layer = LowRankLinear(in_f, out_f, rank, linear.bias is not None, device=w.device,
+                          dtype=w.dtype)
+    layer.u.weight.copy_((u[:, :rank] * root).to(w.dtype))
+    layer.v.weight.copy_((root[:, None] * vh[:rank]).to(w.dtype))
+    if linear.bias is not None:
+        layer.u.bias.copy_(linear.bias.detach())
+    return layer
+
+
+def stable_rank(weight: torch.Tensor) -> float:
+    """Exact stable rank ||W||_F^2 / sigma_max^2 (a full SVD: for tests and references)."""
+    w = weight.detach().double()
+    sigma = torch.linalg.matrix_norm(w, ord=2)
+    return float(w.pow(2).sum() / sigma.pow(2))
+
+
+class StableRankProbe:
+    """Stable rank of one weight by warm-started power iteration on W^T W.
+
+    The right singular vector estimate is kept between checks: weights move little in
+    `check_every` steps, so two iterations from last time's vector track sigma_max closely,
+    where a cold start would need dozens. The start vector comes from its own seeded
+    generator, so the estimate never touches the global RNG (bitwise-reproducible runs)."""
+
+    def __init__(self, n_in: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        v = torch.randn(n_in, generator=g, dtype=torch.float64)
+        self.v = v / v.norm()
+        self.warm = False
+
+    @torch.no_grad()
+    def __call__(self, weight: torch.Tensor, iters: int) -> float:
+        """The estimate; the first call (cold start) iterates `COLD_ITERS` times at least."""
+        w = weight.detach().to("cpu", torch.float64)
+        v = self.v
+        for _ in range(max(1, iters if self.warm else max(iters, COLD_ITERS))):
+            v = w.T @ (w @ v)
+            norm = v.norm()
+            if norm == 0:
+                return 0.0
+            v = v / norm
+        self.v, self.warm = v, True
+        sigma_sq = float((w @ v).pow(2).sum())
+        return float(w.pow(2).sum()) / sigma_sq if sigma_sq > 0 else 0.0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"v": self.v.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.v, self.warm = state["v"].to(torch.float64).clone(), True
+
+
+def no_gain(rank: int, out_features: int, in_features: int) -> bool:
+    """True when the factors hold at least as many parameters as the dense layer
+    (r (m + n) >= m n): then factorizing costs FLOPs and bytes and saves nothing."""
+    return rank * (out_features + in_features) >= out_features * in_features
+
+
+def round_rank(rank: int, multiple: int, full: int) -> int:
+    """Up to a multiple of `multiple` (matmul-friendly: 8 or 64 on GPUs), never past full."""
+    if multiple > 1:
+        rank = math.ceil(rank / multiple) * multiple
+    return min(rank, full)
+
+
+def adaptive_rank(scale: float, sr: float, out_features: int, in_features: int,
+                  lower_bound: float, multiple: int = 1) -> int:
+    """r = clip(ceil(scale * sr), ceil(lower_bound * min(m, n)), min(m, n)), then rounded."""
+    full = min(out_features, in_features)
+    floor = max(1, math.ceil(lower_bound * full))
+    r = min(full, max(floor, math.ceil(scale * sr - 1e-9)))
+    return round_rank(r, multiple, full)
+
+
+def fixed_rank(ratio: float, out_features: int, in_features: int, multiple: int = 1) -> int:
+    """Pufferfish-style: one ratio of min(m, n) for every factorized layer."""
+    full = min(out_features, in_features)
+    return round_rank(max(1, math.ceil(ratio * full)), multiple, full)
+
+
+def candidates(model: nn.Module, cfg: LowRankConfig, n_layers: int) -> list[tuple[str, nn.Linear]]:
+    """The linears that may be factorized, by global name: those of the blocks between the
+    first `keep_first_blocks` and the last `keep_last_blocks`. Embeddings, the LM head and
+    norms never are: they are small, or (the head) sensitive and tied to the embedding."""
+    out = []
+    for name, module in model.named_modules():
+        m = _CANDIDATE.match(name)
+        if m is None or not isinstance(module, nn.Linear):
+            continue
+        block = int(m.group(1))
+        if block < cfg.keep_first_blocks or block >= n_layers - cfg.keep_last_blocks:
+            continue
+        out.append((name, module))
+    return out
+
+
+def replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def convert(model: nn.Module, rank_map: dict[str, int]) -> list[str]:
+    """Factorize, in place, each linear named in `rank_map` at its rank; returns the names
+    converted (layers already low-rank are left as they are)."""
+    done = []
+    for name, rank in sorted(rank_map.items()):
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            replace(model, name, factorize(module, rank))
+            done.append(name)
+    return done
+
+
+def factor_params(model: nn.Module) -> list[nn.Parameter]:
+    """The weights of every low-rank factor (they get Frobenius decay, not weight decay)."""
+    return [p for m in model.modules() if isinstance(m, LowRankLinear)
+            for p in (m.u.weight, m.v.weight)]
+
+
+def trainable_params(model: nn.Module) -> int:
+    """Trainable parameters, each shared tensor once; a DTensor counts its global size."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def dp_grad_bytes(model: nn.Module, bytes_per_elem: int = 4) -> int:
+    """What one data-parallel gradient all-reduce moves per rank and step (payload): every
+    trainable parameter once, at the gradient's width. DDP's measured comm/allreduce_bytes
+    is this number; the planner predicts it from shapes."""
+    return trainable_params(model) * bytes_per_elem
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    out_features: int
+    in_features: int
+
+
+def tp_styles(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    """Tensor-parallel styles for the factors of every low-rank layer, consistent with the
+    plan of the dense layer it replaced:
+
+    - column-wise base (output split over tp): `u` column-wise (its output dim sharded), `v`
+      replicated; the all-reduce of the r-wide activation gradient replaces the one the
+      base layer's input would have needed.
+    - row-wise base (input split): `v` row-wise (its input dim sharded, the r-wide partial sum
+      all-reduced: cheaper than the base's out-wide one), `u` replicated."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if sequence_parallel:
+        from workbench.config import ConfigError
+
+        raise ConfigError("layout.sequence_parallel", True,
+                          "low-rank layers under tensor parallelism support sequence_parallel="
+                          "false only (the replicated factor would need SP-aware gradients)")
+    plan: dict[str, object] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LowRankLinear):
+            continue
+        if name.endswith(COLWISE):
+            plan[f"{name}.u"] = ColwiseParallel(input_layouts=Replicate())
+        elif name.endswith(ROWWISE):
+            plan[f"{name}.v"] = RowwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def adapt_tp_plan(model: nn.Module, plan: dict[str, object],
+                  sequence_parallel: bool) -> dict[str, object]:
+    """The dense tp plan with every entry that names a low-rank layer replaced by its
+    factors' styles (a no-op for a model without low-rank layers)."""
+    low = {n for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+    if not low:
+        return plan
+    out = {k: v for k, v in plan.items() if k not in low}
+    out.update(tp_styles(model, sequence_parallel))
+    return out
+
+
+def shapes(pairs: list[tuple[str, nn.Linear]]) -> list[LayerShape]:
+    return [LayerShape(n, m.out_features, m.in_features) for n, m in pairs]
+
+
+def make_probes(layers: list[LayerShape], seed: int) -> dict[str, StableRankProbe]:
+    return {s.name: StableRankProbe(s.in_features, seed * 7919 + i)
+            for i, s in enumerate(layers)}
+
+
+def full_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of a possibly sharded (DTensor) weight; a collective when sharded,
+    so every rank must call it in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
+
+
+def rank_map_for(mode: str, cfg: LowRankConfig, layers: list[LayerShape],
+                 scales: dict[str, float], srs: dict[str, float]) -> dict[str, int]:
+    """The rank of every layer worth factorizing (others absent: they stay dense)."""
+    out: dict[str, int] = {}
+    for s in layers:
+        if mode == "fixed":
+            r = fixed_rank(cfg.rank_ratio, s.out_features, s.in_features, cfg.round_to)
+        else:
+            r = adaptive_rank(scales[s.name], srs[s.name], s.out_features, s.in_features,
+                              cfg.rank_lower_bound, cfg.round_to)
+        if not no_gain(r, s.out_features, s.in_features):
+            out[s.name] = r
+    return out
+
+
+def plot_stable_ranks(history: dict[str, list[tuple[int, float]]], switch_step: int | None,
+                      path: str) -> None:
+    """One line per layer (stable rank against step), the switch as a vertical line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, pts in sorted(history.items()):
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=1)
+    if switch_step is not None:
+        ax.axvline(switch_step, color="k", ls="--", lw=1, label="switch")
+    ax.set_xlabel("step")
+    ax.set_ylabel("stable rank")
+    ax.set_title("stable rank per layer")
+    if len(history) <= 16:
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

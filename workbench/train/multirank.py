@@ -1,0 +1,197 @@
+"""Run many layouts inside ONE multi-process gloo group, for tests and the CPU benchmark.
+
+torchrun pays 10-20 s to start a job; a layout case costs well under a second on gpt_tiny. So
+this spawns N ranks once (torch.multiprocessing, a FileStore rendezvous, the same counting
+backend and engine as a real run) and runs every case through the real training loop in them.
+Results come back as plain JSON files, one per rank (tensors sent through a queue can vanish
+when the child exits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from workbench.config import RunConfig, compute_dtype
+from workbench.data.corpus import TokenData
+from workbench.layout import Layout
+from workbench.track.tracker import NullTracker
+from workbench.train import loop
+from workbench.train.model import build, flops_per_token
+
+
+@dataclass
+class Case:
+    """One training run: `cfg` + `layout` for `cfg.train.steps` steps, checkpoints in ckpt_dir.
+    `fingerprint` adds the sha256 of every full parameter after training (or after loading)."""
+
+    name: str
+    cfg: RunConfig
+    layout: Layout
+    ckpt_dir: str  # empty: no checkpoints
+    fingerprint: bool = False
+    train: bool = True  # False: only resume from ckpt_dir (then fingerprint)
+    keep_up_to_step: Optional[int] = None  # first delete checkpoints after this step
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class _NoCheckpoints:
+    """For cases that only compare losses: the loop's final save would cost more than the
+    steps."""
+
+    def save(self, step: int, state: Dict[str, Any]) -> None:
+        pass
+
+    def load_latest(self, template=None) -> None:
+        return None
+
+
+def weight_fingerprint(named: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """sha256 of each full tensor's bytes: equal fingerprints mean bitwise-equal weights."""
+    return {k: hashlib.sha256(v.detach().float().contiguous().cpu().numpy().tobytes())
+            .hexdigest() for k, v in named.items()}
+
+
+def _record(history: List[Dict[str, float]]):
+    def on_step(step: int, metrics: Dict[str, float]) -> None:
+        history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+
+    return on_step
+
+
+def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
+               ) -> Dict[str, Any]:
+    """The reference: world size 1 through the same loop (LocalEngine, whole-file checkpoints)."""
+    from workbench.train.checkpoint import CheckpointDir
+    from workbench.train.engine import LocalEngine
+
+    model = build(cfg.model, cfg.train.seed)
+    engine = LocalEngine(model, torch.device("cpu"), compute_dtype(cfg.train, cfg.cluster),
+                         layout.recompute, cfg.train.compile)
+    history: List[Dict[str, float]] = []
+    ctx = loop.LoopContext(cfg=cfg, layout=layout, engine=engine, data=data,
+                           tracker=NullTracker(), ckpt=CheckpointDir(Path(ckpt_dir)),
+                           flops_per_token=flops_per_token(cfg.model),
+                           peak_flops_per_device=cfg.cluster.peak_fp32_flops, world_size=1,
+                           on_step=_record(history))
+    last = loop.train(ctx)
+    return {"history": history, "last": last,
+            "weights": weight_fingerprint(dict(model.state_dict()))}
+
+
+def _run_case(case: Case, data: TokenData, rank: int, world_size: int) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from workbench.train.dcp import DistCheckpointDir
+    from workbench.train.parallelize import make_parallel_engine
+
+    cfg = case.cfg
+    if case.keep_up_to_step is not None:  # as if the run had been killed after that step
+        _drop_checkpoints_after(case.ckpt_dir, case.keep_up_to_step, rank)
+    model = build(cfg.model, cfg.train.seed)
+    world = {"rank": rank, "world_size": world_size, "local_rank": rank}
+    engine = make_parallel_engine(model, cfg, case.layout, world, torch.device("cpu"))
+    history: List[Dict[str, float]] = []
+    ctx = loop.LoopContext(cfg=cfg, layout=case.layout, engine=engine, data=data,
+                           tracker=NullTracker(),
+                           ckpt=DistCheckpointDir(case.ckpt_dir, cfg.train.keep_ckpts, rank)
+                           if case.ckpt_dir else _NoCheckpoints(),
+                           flops_per_token=flops_per_token(cfg.model),
+                           peak_flops_per_device=cfg.cluster.peak_fp32_flops,
+                           world_size=world_size, on_step=_record(history))
+    out: Dict[str, Any] = {"is_main": engine.is_main, "history": history}
+    if case.train:
+        out["last"] = {k: float(v) for k, v in loop.train(ctx).items()}
+    else:
+        optimizer = loop.make_optimizer(engine.parameters(), cfg)
+        out["resumed_at"] = loop.resume(ctx, optimizer)
+    if case.fingerprint:
+        full = get_model_state_dict(engine.view, options=StateDictOptions(full_state_dict=True))
+        out["weights"] = weight_fingerprint(full)
+    return out
+
+
+def _drop_checkpoints_after(folder: str, step: int, rank: int) -> None:
+    import shutil
+
+    import torch.distributed as dist
+
+    from workbench.train.dcp import DistCheckpointDir
+
+    ckpt = DistCheckpointDir(folder)
+    if rank == 0:
+        for s in ckpt.steps():
+            if s > step:
+                shutil.rmtree(ckpt.path(s))
+    dist.barrier()
+
+
+def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data: TokenData,
+           out_dir: str, collective_timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    from workbench.train import comm
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    # A short collective timeout turns a hang (a rank that failed alone) into an error.
+    dist.init_process_group(comm.backend_for("cpu"), store=store, rank=rank,
+                            world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout_s))
+    try:
+        for i, case in enumerate(cases):
+            try:
+                result = _run_case(case, data, rank, world_size)
+            except Exception as e:  # a failing case is reported, the group goes on
+                result = {"error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()}
+                dist.barrier()
+            Path(out_dir, f"case{i:03d}_rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(world_size: int, cases: List[Case], data: TokenData,
+              workdir: Optional[str] = None, timeout_s: float = 600.0,
+              collective_timeout_s: float = 120.0) -> List[Dict[str, Any]]:
+    """Run the cases in one spawned group; per case: the main rank's result, with every
+    rank's weight fingerprints merged (pipeline stages hold different parameters). The ranks
+    are killed after timeout_s."""
+    import torch.multiprocessing as mp
+
+    workdir = workdir or tempfile.mkdtemp(prefix="wb-multirank-")
+    os.makedirs(workdir, exist_ok=True)
+    store_path = os.path.join(workdir, "store")
+    ctx = mp.spawn(_child, args=(world_size, store_path, cases, data, workdir,
+                                 collective_timeout_s), nprocs=world_size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            raise TimeoutError(f"{world_size} ranks did not finish {len(cases)} cases in "
+                               f"{timeout_s:.0f} s")
+    results = []
+    for i in range(len(cases)):
+        ranks = [json.loads(Path(workdir, f"case{i:03d}_rank{r}.json").read_text())
+                 for r in range(world_size)]
+        errors = [r for r in ranks if "error" in r]
+        if errors:
+            results.append(errors[0])
+            continue
+        main = next(r for r in ranks if r["is_main"])
+        weights: Dict[str, str] = {}
+        for r in ranks:
+            weights.update(r.get("weights", {}))
+        results.append({**main, "weights": weights, "ranks": ranks})
+    return results

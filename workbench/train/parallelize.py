@@ -1,0 +1,157 @@
+"""Apply a Layout to the full model, in a fixed order (as torchtitan does, written anew here):
+
+1. split pipeline stages (pipeline.py), so each later step sees only this rank's modules;
+2. tensor parallel (+ sequence parallel) plans over the "tp" mesh dimension;
+3. activation checkpointing (recompute) per block;
+4. torch.compile per block (train.compile), keeping parameter names;
+5. data parallel last: FSDP2 `fully_shard` (HSDP when dp_replicate and dp_shard are both used,
+   or when replication sits next to DTensor parameters), DDP when replication is all there is.
+
+The model file knows nothing of this; every step works by module name.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from workbench.config import RunConfig, compute_dtype
+from workbench.layout import Layout
+from workbench.train.engine import apply_recompute
+from workbench.train.mesh import Mesh, build_mesh, uses_ddp, uses_fsdp
+from workbench.train.model import Transformer
+from workbench.train.pipeline import split_stage, stage_ids
+
+
+def check_backend(layout: Layout, device_type: str) -> None:
+    """Combinations the backend cannot run, rejected with the reason; the same rule as
+    layout.validate(..., device), repeated here for jobs made before it was checked."""
+    if layout.cp > 1:
+        from workbench.layout import validate_cp
+
+        validate_cp(layout, device_type)
+
+
+def tp_plan(model: Transformer, sequence_parallel: bool) -> Dict[str, object]:
+    """The tensor-parallel plan by module name for whatever part of the model is present.
+
+    Attention heads and the FFN hidden dimension are split column-wise then row-wise (one
+    all-reduce per sublayer). With sequence parallelism the norms and residual stream are
+    sharded along the sequence (Shard(1)); the all-reduce becomes reduce-scatter + all-gather.
+    The LM head gathers full logits so the loss is computed exactly as on one process."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: Dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+    for name in model.layers.keys():
+        p = f"layers.{name}"
+        plan.update({f"{p}.attention.wq": ColwiseParallel(),
+                     f"{p}.attention.wk": ColwiseParallel(),
+                     f"{p}.attention.wv": ColwiseParallel(),
+                     f"{p}.attention.wo": RowwiseParallel(output_layouts=seq),
+                     f"{p}.feed_forward.w1": ColwiseParallel(),
+                     f"{p}.feed_forward.w2": RowwiseParallel(output_layouts=seq)})
+        if model.cfg.family == "llama":
+            plan[f"{p}.feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan.update({
+                f"{p}.attention_norm": SequenceParallel(),
+                f"{p}.ffn_norm": SequenceParallel(),
+                f"{p}.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                     desired_input_layouts=(Replicate(), None)),
+                f"{p}.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                        desired_input_layouts=(Replicate(),))})
+    return plan
+
+
+def apply_tp(model: Transformer, mesh: Mesh, layout: Layout) -> None:
+    if layout.tp > 1:
+        from workbench.train.lowrank import adapt_tp_plan
+
+        plan = adapt_tp_plan(model, tp_plan(model, layout.sequence_parallel),
+                             layout.sequence_parallel)
+        parallelize_module(model, mesh.sub("tp"), plan)
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile block by block in place (Module.compile keeps parameter names for checkpoints)."""
+    for block in model.layers.values():
+        block.compile()
+
+
+def apply_fsdp(model: Transformer, mesh: Mesh, layout: Layout, dtype: str,
+               reshard_after_forward: bool) -> None:
+    """FSDP2 per block, then the stage root; bf16 compute with fp32 reduction when asked."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dp_mesh = mesh.sub("dp_replicate", "dp_shard")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if dtype == "bf16" else MixedPrecisionPolicy()
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids,
+                                   process_group=mesh.group("dp_replicate"),
+                                   broadcast_buffers=False)
+
+
+def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
+                device: torch.device) -> List[nn.Module]:
+    """This rank's modules, in stage order (one unless pipelined with virtual stages), each
+    with TP, recompute, compile and data parallelism applied. DDP-wrapped modules come back
+    wrapped; their `.module` is the stage."""
+    if layout.pp > 1:
+        n_stages = layout.pp * layout.virtual_stages
+        parts = [split_stage(model, s, n_stages) for s in stage_ids(layout, mesh.pp_rank)]
+    else:
+        parts = [model]
+    out: List[nn.Module] = []
+    for part in parts:
+        part.to(device)
+        apply_tp(part, mesh, layout)
+        apply_recompute(part, layout.recompute)
+        if cfg.train.compile:
+            apply_compile(part)
+        if uses_fsdp(layout):
+            # Inside a pipeline, parameters stay gathered between micro-batches.
+            apply_fsdp(part, mesh, layout, compute_dtype(cfg.train, cfg.cluster),
+                       reshard_after_forward=layout.pp == 1)
+            out.append(part)
+        elif uses_ddp(layout):
+            out.append(apply_ddp(part, mesh, device))
+        else:
+            out.append(part)
+    return out
+
+
+def make_parallel_engine(model: Transformer, cfg: RunConfig, layout: Layout,
+                         world: Dict[str, int], device: torch.device):
+    """Build the mesh once for this rank, parallelize the full seeded model, and wrap it in the
+    engine the training loop drives."""
+    from workbench.train.dist_engine import ParallelEngine
+
+    check_backend(layout, device.type)
+    mesh = build_mesh(layout, device, world["rank"])
+    parts = parallelize(model, mesh, layout, cfg, device)
+    return ParallelEngine(parts, mesh, layout, cfg, device)
