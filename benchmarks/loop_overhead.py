@@ -54,7 +54,7 @@ def bare_tokens_per_s(cfg, data, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        float(loss.detach())
     return (steps - WARMUP) * n * seq / (time.perf_counter() - t_start)
 
 
