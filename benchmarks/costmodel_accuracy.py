@@ -106,8 +106,10 @@ def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
 
 
 # Korthikanti et al. Fig. 1 models with their Table 5 layouts (TP, PP, interleave, micro-batch).
-FIG1 = {"megatron-22B": (48, 6144, 64, 8, 1, 1, 4), "gpt3-175B": (96, 12288, 96, 8, 8, 3, 1),
-        "turing-530B": (105, 20480, 128, 8, 35, 3, 1), "megatron-1T": (128, 25600, 160, 8, 64, 1, 1)}
+FIG1 = {"megatron-22B": (48, 6144, 64, 8, 1, 1, 4),
+        "gpt3-175B": (96, 12288, 96, 8, 8, 3, 1),
+        "turing-530B": (105, 20480, 128, 8, 35, 3, 1),
+        "megatron-1T": (128, 25600, 160, 8, 64, 1, 1)}
 MODES = {"none": (False, "none"), "seq": (True, "none"), "sel": (False, "selective"),
          "seqsel": (True, "selective"), "full": (False, "full")}
 
@@ -141,8 +143,8 @@ def report_memory(path: Path) -> float | None:
         if r["figure"] == "Fig1":
             states = sum(est.mem_bytes[k] for k in ("mem_params_bytes", "mem_grads_bytes",
                                                     "mem_optimizer_bytes")) / GIB
-            for what, meas, pred in (("params+optimizer", float(r["params_and_optimizer_GiB_per_gpu"]),
-                                      states),
+            for what, meas, pred in (("params+optimizer",
+                                      float(r["params_and_optimizer_GiB_per_gpu"]), states),
                                      ("activations", float(r["activations_GiB_per_gpu"]),
                                       acts / GIB)):
                 err = (pred - meas) / meas * 100

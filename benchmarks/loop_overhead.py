@@ -26,10 +26,10 @@ from workbench.cli import compose
 from workbench.data.corpus import batch_offsets, gather, load
 from workbench.job import Job
 from workbench.run import prepare_job
+from workbench.track.tracker import make_tracker
 from workbench.train import loop
 from workbench.train.checkpoint import CheckpointDir
 from workbench.train.engine import LocalEngine
-from workbench.track.tracker import make_tracker
 from workbench.train.model import build, cross_entropy, flops_per_token
 
 WARMUP = 5

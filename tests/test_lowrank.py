@@ -159,7 +159,8 @@ def _train(run_dir, steps: int, stop_after=None):
     stop = None
     if stop_after is not None:
         calls = itertools.count()
-        stop = lambda: next(calls) >= stop_after
+        def stop() -> bool:
+            return next(calls) >= stop_after
     return run_job(job, progress=False, stop_requested=stop)
 
 

@@ -113,7 +113,7 @@ def _writer(i: int, journal: str, uri: str, q) -> None:
         tracker.close("FINISHED")
         study.tell(trial, x)
         q.put(("ok", i))
-    except BaseException as e:  # noqa: BLE001  (report, never hang the parent)
+    except BaseException as e:
         q.put(("error", f"{i}: {type(e).__name__}: {e}"))
 
 

@@ -53,7 +53,7 @@ class Job:
         return path
 
     @classmethod
-    def load(cls, path: Path | str) -> "Job":
+    def load(cls, path: Path | str) -> Job:
         path = Path(path)
         if path.is_dir():
             path = path / JOB_NAME

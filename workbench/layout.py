@@ -54,7 +54,7 @@ class Layout:
         return "_".join(parts)
 
     @classmethod
-    def from_key(cls, key: str) -> "Layout":
+    def from_key(cls, key: str) -> Layout:
         values: dict = {}
         for part in key.split("_"):
             if part == "sp":
@@ -87,7 +87,7 @@ def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
     if len(fill) > 1:
         raise ConfigError(f"layout.{fill[1]}", -1, f"only one degree may be -1; {fill[0]} is")
     fixed = 1
-    for n, d in degrees.items():
+    for d in degrees.values():
         if d != -1:
             fixed *= d
     if fill:

@@ -91,7 +91,8 @@ def resolve(c: Any, args: Sequence[str], sweeps_dir: str = "sweeps") -> list[str
         try:
             run = c.get_run(arg)
         except MlflowException:
-            raise InputError(f"{arg}: neither a run id nor a sweep (no {folder}/trials.json)")
+            raise InputError(f"{arg}: neither a run id nor a sweep (no {folder}/trials.json)"
+                             ) from None
         children = c.search_runs([run.info.experiment_id],
                                  filter_string=f"tags.mlflow.parentRunId = '{arg}'",
                                  order_by=["attributes.start_time ASC"])

@@ -189,7 +189,7 @@ def _load_cluster(path: Path) -> ClusterConfig:
 
     try:
         raw = OmegaConf.load(path)
-    except Exception as e:  # noqa: BLE001 - any YAML error is bad input
+    except Exception as e:
         raise InputError(f"{path}: cannot parse ({e})") from None
     raw.pop("defaults", None)
     merged = OmegaConf.merge(OmegaConf.structured(ClusterConfig), raw)

@@ -64,7 +64,7 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
         runs = client.search_runs(ids, max_results=5000) if ids else []
     except InputError:
         raise
-    except Exception as e:  # noqa: BLE001 - any store error is bad input for this command
+    except Exception as e:
         raise InputError(f"--mlflow-uri {uri}: cannot read runs ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]})") from None
     want = match_gpu(cluster.gpu).name
@@ -85,7 +85,7 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
                                                     vars(cluster).items() if k != "coeff"},
                                                  **params}, "cluster")
             layout = Layout.from_key(params["layout"])
-        except (KeyError, ValueError, ConfigError, Exception) as e:  # noqa: BLE001
+        except (KeyError, ValueError, ConfigError, Exception) as e:
             skipped.append(f"{rid}: {type(e).__name__} {str(e)[:120]}")
             continue
         measured = _measured(client, rid)

@@ -82,7 +82,7 @@ def load(argv: list[str]) -> Sweep:
         except ConfigError as e:
             if e.key == key or not e.key.startswith(("layout", "train.global_batch")):
                 raise ConfigError(f"sweep.space.{key}", _first(dist), str(e)) from None
-        except Exception as e:  # noqa: BLE001  (OmegaConf's many type/validation errors)
+        except Exception as e:
             raise ConfigError(f"sweep.space.{key}", _first(dist),
                               " ".join(str(e).split())[:200]) from None
     state = SweepState(Path(sweep.dir) / sweep.name)

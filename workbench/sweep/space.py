@@ -89,7 +89,8 @@ def parse_sweep(raw: Mapping[str, Any] | None) -> SweepConfig:
 def objectives(sweep: SweepConfig) -> list[Objective]:
     """`tokens_per_s` or `val_loss:minimize`; only metrics the loop logs are accepted."""
     if not sweep.objectives:
-        raise ConfigError("sweep.objectives", [], f"name at least one of {', '.join(LOGGED_METRICS)}")
+        raise ConfigError("sweep.objectives", [],
+                          f"name at least one of {', '.join(LOGGED_METRICS)}")
     out = []
     for text in sweep.objectives:
         metric, _, direction = str(text).partition(":")

@@ -69,7 +69,7 @@ class CountingGroup(dist.ProcessGroup):
         self.counter = counter
 
     # --- identity (c10d and DeviceMesh ask for these) ---
-    def getBackendName(self) -> str:  # noqa: N802 (C++ name)
+    def getBackendName(self) -> str:
         return self._backend_name
 
     def size(self) -> int:
@@ -78,16 +78,16 @@ class CountingGroup(dist.ProcessGroup):
     def rank(self) -> int:
         return self._rank
 
-    def setGroupName(self, name: str) -> None:  # noqa: N802
+    def setGroupName(self, name: str) -> None:
         self._name = name
 
-    def getGroupName(self) -> str:  # noqa: N802
+    def getGroupName(self) -> str:
         return self._name
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+    def setGroupDesc(self, desc: str) -> None:
         self._desc = desc
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return self._desc
 
     @property
