@@ -55,11 +55,23 @@ class _NoCheckpoints:
     def load_latest(self, template=None) -> None:
         return None
 
+    def steps(self) -> List[int]:  # the low-rank controller peeks for a checkpoint
+        return []
+
 
 def weight_fingerprint(named: Dict[str, torch.Tensor]) -> Dict[str, str]:
     """sha256 of each full tensor's bytes: equal fingerprints mean bitwise-equal weights."""
     return {k: hashlib.sha256(v.detach().float().contiguous().cpu().numpy().tobytes())
             .hexdigest() for k, v in named.items()}
+
+
+def _lowrank(cfg: RunConfig, engine: Any) -> Any:
+    """The loop's low-rank controller as main.py makes it (no run folder: no artifacts)."""
+    if cfg.lowrank.mode == "off":
+        return None
+    from workbench.train.switch import make_controller
+
+    return make_controller(cfg, engine, NullTracker(), "")
 
 
 def _record(history: List[Dict[str, float]]):
@@ -83,7 +95,7 @@ def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
                            tracker=NullTracker(), ckpt=CheckpointDir(Path(ckpt_dir)),
                            flops_per_token=flops_per_token(cfg.model),
                            peak_flops_per_device=cfg.cluster.peak_fp32_flops, world_size=1,
-                           on_step=_record(history))
+                           on_step=_record(history), lowrank=_lowrank(cfg, engine))
     last = loop.train(ctx)
     return {"history": history, "last": last,
             "weights": weight_fingerprint(dict(model.state_dict()))}
@@ -108,7 +120,8 @@ def _run_case(case: Case, data: TokenData, rank: int, world_size: int) -> Dict[s
                            if case.ckpt_dir else _NoCheckpoints(),
                            flops_per_token=flops_per_token(cfg.model),
                            peak_flops_per_device=cfg.cluster.peak_fp32_flops,
-                           world_size=world_size, on_step=_record(history))
+                           world_size=world_size, on_step=_record(history),
+                           lowrank=_lowrank(cfg, engine))
     out: Dict[str, Any] = {"is_main": engine.is_main, "history": history}
     if case.train:
         out["last"] = {k: float(v) for k, v in loop.train(ctx).items()}
