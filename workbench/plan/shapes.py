@@ -59,9 +59,15 @@ class ModelShape:
         return 6.0 * mm + 12.0 * self.n_layers * self.seq_len * self.q_width
 
 
-def _factor(m: int, n: int, col: bool, ratio: float) -> tuple[Linear, ...]:
-    """(m, n) -> (m, r) then (r, n): FLOPs and parameters scale by r(m+n)/(mn)."""
-    r = max(1, round(ratio * min(m, n)))
+def _factor(m: int, n: int, col: bool, ratio: float, multiple: int = 1) -> tuple[Linear, ...]:
+    """(m, n) -> (m, r) then (r, n): FLOPs and parameters scale by r(m+n)/(mn). The rank is the
+    one training picks (workbench.train.lowrank.fixed_rank), and a layer whose factors would not
+    be smaller stays dense, as training's no-gain guard keeps it."""
+    from workbench.train.lowrank import fixed_rank, no_gain
+
+    r = fixed_rank(ratio, n, m, multiple)
+    if no_gain(r, n, m):
+        return ((m, n, col),)
     return ((m, r, col), (r, n, col))
 
 
@@ -90,7 +96,8 @@ def model_shape(model: ModelConfig, lowrank: LowRankConfig | None = None,
     lr: tuple[Linear, ...] = ()
     n_lr, dp_ratio = 0, 1.0
     if mode in ("fixed", "adaptive"):
-        lr = tuple(p for m, n, c in dense for p in _factor(m, n, c, lowrank.rank_ratio))
+        lr = tuple(p for m, n, c in dense
+                   for p in _factor(m, n, c, lowrank.rank_ratio, lowrank.round_to))
         n_lr = max(0, model.n_layers - lowrank.keep_first_blocks - lowrank.keep_last_blocks)
     elif mode == "powersgd":
         r = lowrank.powersgd_rank
