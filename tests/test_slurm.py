@@ -169,10 +169,12 @@ def test_real_time_limit_checkpoints_requeues_and_finishes(workdir):
     """launcher.time_min=1: Slurm's own USR2 warning arrives mid-run (Slurm's ~30 s tick makes
     each attempt last 15-30 s), again after each requeue; the run still ends FINISHED with
     every step recorded once."""
-    steps = 30
+    # Long enough (~60-90 s of compute on one thread) that the first USR2 (30 s before the
+    # 1-minute limit, give or take Slurm's 30 s tick) always lands mid-run, even on an idle box.
+    steps = 300
     args = ["launcher=slurm", "launcher.time_min=1", f"train.steps={steps}",
-            "train.global_batch=16", "train.micro_batch=16", "train.ckpt_every=10",
-            "train.eval_every=10", "train.warmup_steps=2", "train.threads=1",
+            "train.global_batch=16", "train.micro_batch=16", "train.ckpt_every=50",
+            "train.eval_every=50", "train.warmup_steps=2", "train.threads=1",
             "data.max_bytes=1000000"]
     proc = cli("workbench.run", args, workdir, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
