@@ -65,6 +65,16 @@ def grad_norms(result: Dict) -> List[float]:
     return [h["grad_norm"] for h in result["history"]]
 
 
+def assert_matches_single_process(result: Dict, ref: Dict) -> None:
+    """Per-step loss and grad norm, and the final val_loss, equal the one-process run's."""
+    assert "error" not in result, result.get("traceback")
+    assert max_rel_err(losses(result), losses(ref)) < REL_TOL
+    assert max_rel_err(grad_norms(result), grad_norms(ref)) < REL_TOL
+    # Evaluation sees the same sequences in every layout (eval_batches divisible by dp).
+    assert abs(result["last"]["val_loss"] - ref["last"]["val_loss"]) \
+        < REL_TOL * ref["last"]["val_loss"]
+
+
 def max_rel_err(got: List[float], want: List[float]) -> float:
     assert len(got) == len(want), (got, want)
     return max(abs(a - b) / abs(b) for a, b in zip(got, want))
@@ -109,14 +119,8 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("name", list(LAYOUTS_2))
 def test_two_rank_losses_match_single_process(two_ranks, name, recompute):
-    result = two_ranks["results"][f"{name}-rc_{recompute}"]
-    assert "error" not in result, result.get("traceback")
-    ref = two_ranks["ref"]
-    assert max_rel_err(losses(result), losses(ref)) < REL_TOL
-    assert max_rel_err(grad_norms(result), grad_norms(ref)) < REL_TOL
-    # Evaluation sees the same sequences in every layout (eval_batches divisible by dp).
-    assert abs(result["last"]["val_loss"] - ref["last"]["val_loss"]) \
-        < REL_TOL * ref["last"]["val_loss"]
+    assert_matches_single_process(two_ranks["results"][f"{name}-rc_{recompute}"],
+                                  two_ranks["ref"])
 
 
 def test_metrics_are_measured_per_step(two_ranks):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 import pytest
-from test_parallel import RECOMPUTE, REL_TOL, grad_norms, losses, max_rel_err, reference, run_matrix
+from test_parallel import RECOMPUTE, assert_matches_single_process, reference, run_matrix
 
 # Every layout of the issue at world 4 (interleaved needs pp*v | 4 layers: pp=2, v=2, dp=2).
 LAYOUTS_4: Dict[str, List[str]] = {
@@ -39,10 +39,5 @@ def four_ranks(tmp_path_factory):
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
 def test_four_rank_losses_match_single_process(four_ranks, name, recompute):
-    result = four_ranks["results"][f"{name}-rc_{recompute}"]
-    assert "error" not in result, result.get("traceback")
-    ref = four_ranks["ref"]
-    assert max_rel_err(losses(result), losses(ref)) < REL_TOL
-    assert max_rel_err(grad_norms(result), grad_norms(ref)) < REL_TOL
-    assert abs(result["last"]["val_loss"] - ref["last"]["val_loss"]) \
-        < REL_TOL * ref["last"]["val_loss"]
+    assert_matches_single_process(four_ranks["results"][f"{name}-rc_{recompute}"],
+                                  four_ranks["ref"])

@@ -192,6 +192,13 @@ def rank_table(runs: Sequence[RunData]) -> str:
     return markdown(rows, ["layer"] + [r.label for r in with_ranks])
 
 
+def _label_loss_axes(axes: Any, xlabel: str) -> None:
+    for ax, key in zip(axes, ("loss", "val_loss")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(key)
+        ax.legend()
+
+
 def plots(runs: Sequence[RunData], out: Path) -> list[str]:
     """loss/val_loss against tokens and wall-clock, tokens/s and bytes per step; file names."""
     import matplotlib
@@ -219,10 +226,7 @@ def plots(runs: Sequence[RunData], out: Path) -> list[str]:
         if r.switch_step() is not None:
             for ax in axes:
                 ax.axvline(r.switch_step() * tps, ls=":", lw=0.8, color="gray")
-    for ax, key in zip(axes, ("loss", "val_loss")):
-        ax.set_xlabel("tokens")
-        ax.set_ylabel(key)
-        ax.legend()
+    _label_loss_axes(axes, "tokens")
     save(fig, "loss_vs_tokens.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -232,10 +236,7 @@ def plots(runs: Sequence[RunData], out: Path) -> list[str]:
             t0 = (r.series.get("loss") or pts or [(0, 0, 0)])[0][2]
             ax.plot([(ts - t0) / 1000 for _, _, ts in pts], [v for _, v, _ in pts],
                     lw=0.8, marker="o" if key == "val_loss" else None, ms=3, label=r.label)
-    for ax, key in zip(axes, ("loss", "val_loss")):
-        ax.set_xlabel("wall-clock since first step (s)")
-        ax.set_ylabel(key)
-        ax.legend()
+    _label_loss_axes(axes, "wall-clock since first step (s)")
     save(fig, "loss_vs_wallclock.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
