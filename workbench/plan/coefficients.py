@@ -61,12 +61,15 @@ class Coefficients:
     # 0.64 s (8B) and 2.3 s of 5.0 s (70B) of BF16 TP communication per step: ~0.4-0.46.
     async_tp_overlap: float = 0.45
     # FP8 rowwise scaling (torchao): HBM bytes per element of every FP8 linear operand per pass
-    # for its per-row amax and cast, not fused into the producer: read 2 (amax) + read 2 and
-    # write 1 (cast) = 5. Tensorwise scaling fuses both into the producing kernel under
-    # torch.compile (its cost is inside fp8_mm_speedup). Check: the torchtitan async-TP benchmark
-    # puts rowwise 0.9 s (8B) and 7.1 s (70B) per step behind tensorwise, i.e. 5-5.3 bytes per
-    # operand element and pass after the BF16-vs-FP8 TP gather difference.
-    fp8_rowwise_cast_bytes: float = 5.0
+    # for its per-row amax and cast, not fused into the producer. Scaling along the contiguous
+    # axis is one Inductor kernel (row reduction + cast: read 2, write 1 = 3); the transposed
+    # operands the backward needs are scaled along the strided axis, a separate amax pass
+    # (read 2) before the cast (read 2, write 1) = 5; about half of each: ~4. Tensorwise
+    # scaling fuses both into the producing kernel under torch.compile (its cost is inside
+    # fp8_mm_speedup). Check: the torchtitan async-TP benchmark puts rowwise 0.9 s (8B) and
+    # 7.1 s (70B) per step behind tensorwise on its 2.4 TB/s HBM2e H100s, i.e. 3.6-3.8 bytes
+    # per operand element and pass (vanilla TP) after the BF16-vs-FP8 TP gather difference.
+    fp8_rowwise_cast_bytes: float = 4.0
     # Elementwise HBM traffic with torch.compile relative to the hand-fused kernels (Megatron /
     # Transformer Engine) elem_traffic stands for: fusion keeps intermediate tensors of
     # norm/activation/rope chains in registers.
@@ -118,7 +121,11 @@ NAMES = tuple(f.name for f in fields(Coefficients))
 
 # Defaults by accelerator (datasheet-class facts, see the comments on each field above).
 _BY_GPU: dict[str, dict[str, float]] = {
-    "A100": {},
+    # A100: the low end (250 of 312 TFLOP/s) of the cuBLAS range above. Sustained training
+    # runs hold clocks below the 1.41 GHz boost at 400 W, as on the H100 below, and every A100
+    # row of three independent stacks (Megatron SC21 Tables 1-2, Korthikanti Table 5,
+    # torchtitan FSDP2) is over-predicted at 0.82 (one number for the GPU, not per row).
+    "A100": {"mm_eff_max": 0.80},
     # flash_eff: torch SDPA runs FlashAttention-2, which is not Hopper-tuned: the FA3 paper
     # (Shah et al. 2024, Fig. 5-6) measures FA2 fwd+bwd on H100 SXM5 at ~300-350 TFLOP/s for
     # head dim 128, i.e. ~0.33 of 989 (the 500 W part: x0.85, see below).

@@ -47,8 +47,10 @@ GPUS: dict[str, GpuSpec] = {
     "H100-PCIe-80GB": GpuSpec("H100-PCIe-80GB", 756e12, 1513e12, 51e12, 80 * GIB, 2.0e12,
                               64.0, 50.0),
     # Meta Grand Teton H100 with 96GB HBM2e run at 500 W (torchtitan benchmarks): SXM peak
-    # figures, but power-capped, so the achieved-peak coefficient defaults lower.
-    "H100-SXM-96GB": GpuSpec("H100-SXM-96GB", 989e12, 1979e12, 67e12, 96 * GIB, 3.35e12,
+    # figures, but power-capped, so the achieved-peak coefficient defaults lower. Its memory is
+    # HBM2e at 2.4 TB/s, not the 80GB part's HBM3 at 3.35 TB/s (torchtitan
+    # benchmarks/llama3_h100_202412_torchtitan.md and asyncTP_llama3_h100_2025-06, "Hardware").
+    "H100-SXM-96GB": GpuSpec("H100-SXM-96GB", 989e12, 1979e12, 67e12, 96 * GIB, 2.4e12,
                              450.0, 50.0, power_capped=True),
     "H200-SXM-141GB": GpuSpec("H200-SXM-141GB", 989e12, 1979e12, 67e12, 141e9, 4.8e12,
                               450.0, 50.0),

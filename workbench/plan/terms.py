@@ -171,12 +171,24 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     g_tok = _g(tok, co.mm_dim_half)
 
     # --- compute: GEMMs of one block (dense and factorized blocks averaged by their share) ---
+    hbm = hw.hbm_bw_bytes_per_s * co.hbm_eff
+    op_bytes = 1.0 if sw.precision == "fp8" else e  # GEMM operand bytes (FP8: cast operands)
+
     def block_mm_s(linears) -> np.ndarray:
+        """Forward GEMM time of one block: tensor-core time at the shape's efficiency, but never
+        less than streaming its operands and output through HBM once (roofline, Williams et
+        al. 2009). A narrow per-rank GEMM (a GQA K/V projection under TP8: 128 columns; a
+        low-rank factor) has ~n FLOPs per byte, under the ridge of an H100 (~290 FLOP/B at
+        2.4 TB/s), so its time is set by bandwidth, not by FLOPs. Backward GEMMs (dX, dW)
+        move the same operand and output sizes, so 2x forward stays right for them too."""
         t = 0.0
         for m, n, col in linears:
-            local = np.minimum(n / tp, m) if col else np.minimum(m / tp, n)
+            m_l, n_l = (m, n / tp) if col else (m / tp, n)
+            local = np.minimum(m_l, n_l)
             eff = co.mm_eff_max * g_tok * _g(local, co.mm_dim_half) * mm_speed
-            t = t + 2.0 * tok * m * n / tp / (peak * eff)
+            compute = 2.0 * tok * m_l * n_l / (peak * eff)
+            stream = (op_bytes * (tok * m_l + m_l * n_l) + e * tok * n_l) / hbm
+            t = t + np.maximum(compute, stream)
         return t
 
     f_lr = ms.lowrank_layers / ms.n_layers
@@ -188,7 +200,6 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
         attn_f = 0.5 * attn_flops / (peak * co.flash_eff)
     else:  # batched GEMMs with K = head_dim
         attn_f = attn_flops / (peak * co.mm_eff_max * g_tok * _g(ms.head_dim, co.mm_dim_half))
-    hbm = hw.hbm_bw_bytes_per_s * co.hbm_eff
     attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
         + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
     act = activation_bytes_per_token(ms, sw, tp, a["sp"])
