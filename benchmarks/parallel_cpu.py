@@ -33,6 +33,7 @@ LAYOUTS: Dict[str, List[str]] = {
     "pp 1f1b": ["layout=pp", "layout.pp_schedule=1f1b"],
     "pp interleaved v2": ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
                           "layout.virtual_stages=2"],
+    "cp (all-gather K/V)": ["layout.cp=2"],
     "ddp recompute=full": ["layout=ddp", "layout.recompute=full"],
     "fsdp recompute=full": ["layout=fsdp", "layout.recompute=full"],
 }

@@ -1,12 +1,11 @@
-"""Fixed low-rank training after the switch under FSDP2 (dp_shard=2) and tensor parallelism
-(tp=2, no sequence parallel) on 2 gloo ranks: the controller rebuilds the engine from a full
-state dict and parallelizes the factorized model again. Per-step losses equal the
-single-process run of the same config (1e-4 relative), the switch happens at the same step,
+"""Fixed low-rank training after the switch under FSDP2 (dp_shard=2), tensor parallelism (tp=2, no
+sequence parallel) and context parallelism (cp=2) on 2 gloo ranks: the controller rebuilds the
+engine from a full state dict and parallelizes the factorized model again. Per-step losses equal
+the single-process run of the same config (1e-4 relative), the switch happens at the same step,
 and FSDP moves fewer bytes per step once the blocks are factorized.
 
-Both layouts run inside ONE spawned process group (workbench.train.multirank), as in
-test_parallel.py.
-"""
+All layouts run inside ONE spawned process group (workbench.train.multirank), as in
+test_parallel.py."""
 
 from __future__ import annotations
 
@@ -34,7 +33,8 @@ BASE = ["model=gpt_tiny", f"train.steps={STEPS}", "train.global_batch=8",
         "lowrank=fixed", "lowrank.switch_frac=0.25", "lowrank.rank_ratio=0.25",
         "lowrank.keep_first_blocks=0", "lowrank.keep_last_blocks=0"]
 LAYOUTS: Dict[str, List[str]] = {"fsdp": ["layout=fsdp", "layout.dp_shard=2"],
-                                 "tp": ["layout=tp", "layout.tp=2"]}
+                                 "tp": ["layout=tp", "layout.tp=2"],
+                                 "cp": ["layout.cp=2"]}
 
 
 def losses(result: Dict) -> List[float]:

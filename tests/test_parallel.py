@@ -34,6 +34,7 @@ LAYOUTS_2: Dict[str, List[str]] = {
     "pp_1f1b": ["layout=pp", "layout.pp_schedule=1f1b"],
     "pp_interleaved": ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
                        "layout.virtual_stages=2"],
+    "cp": ["layout.cp=2"],
 }
 RECOMPUTE = ["none", "full"]
 
@@ -111,6 +112,8 @@ def two_ranks(tmp_path_factory):
                   fingerprint=True, train=False),
         make_case("dcp-into-pp", 2, ["layout=pp"] + ckpt_over, ckpt, "dcp-fsdp",
                   fingerprint=True, train=False),
+        make_case("dcp-into-cp", 2, ["layout.cp=2"] + ckpt_over, ckpt, "dcp-fsdp",
+                  fingerprint=True, train=False),
     ]
     results = run_matrix(2, LAYOUTS_2, root, extra)
     return {"results": results, "ref": reference(root), "root": root}
@@ -154,6 +157,22 @@ def test_ddp_allreduce_bytes_equal_gradient_bytes(two_ranks):
             (step["comm/allreduce_bytes"], grad_bytes)
 
 
+def test_context_parallel_gathers_exactly_the_keys_and_values(two_ranks):
+    """Full recomputation repeats each attention's forward, so it adds one K/V all-gather per
+    layer and micro-batch: 2 (K and V) x micro_batch x seq_len x kv width x 4 bytes, gathered
+    over the whole sequence. FSDP's own gathers are the same with and without recompute."""
+    from workbench.train.model import head_dim
+
+    cfg = make_cfg(LAYOUTS_2["cp"])
+    m, t = cfg.model, cfg.train
+    per_gather = 2 * t.micro_batch * m.seq_len * m.n_kv_heads * head_dim(m) * 4
+    micro_batches = t.global_batch // t.micro_batch  # dp = 1: every micro-batch on each rank
+    res = two_ranks["results"]
+    extra = res["cp-rc_full"]["history"][-1]["comm/allgather_bytes"] \
+        - res["cp-rc_none"]["history"][-1]["comm/allgather_bytes"]
+    assert extra == m.n_layers * micro_batches * per_gather
+
+
 def test_dcp_resume_same_layout_is_bitwise(two_ranks):
     res = two_ranks["results"]
     first, again = res["dcp-fsdp"], res["dcp-fsdp-resumed"]
@@ -166,7 +185,7 @@ def test_dcp_resume_same_layout_is_bitwise(two_ranks):
     assert again["weights"] == first["weights"]
 
 
-@pytest.mark.parametrize("target", ["tp", "pp"])
+@pytest.mark.parametrize("target", ["tp", "pp", "cp"])
 def test_dcp_loads_into_another_layout_with_equal_weights(two_ranks, target):
     res = two_ranks["results"]
     loaded, saved = res[f"dcp-into-{target}"], res["dcp-fsdp-resumed"]

@@ -1,7 +1,7 @@
-"""Every layout on 4 gloo ranks (ddp, fsdp, tp, tp+sp, pp gpipe/1f1b, interleaved, dp x tp,
-pp x tp, fsdp x tp), recompute none and full: per-step losses and gradient norms equal the
-single-process run within 1e-5 relative. One spawned process group runs them all; slow (a
-few minutes on 2 cores) but part of CI."""
+"""Every layout on 4 gloo ranks (ddp, fsdp, tp, tp+sp, pp gpipe/1f1b, interleaved, dp x tp, pp x
+tp, fsdp x tp, and context parallel with fsdp, ddp, tp+sp and pp), recompute none and full:
+per-step losses and gradient norms equal the single-process run within 1e-5 relative. One spawned
+process group runs them all; slow (a few minutes on 2 cores) but part of CI."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ LAYOUTS_4: Dict[str, List[str]] = {
     "dp_tp": ["layout.dp_replicate=2", "layout.tp=2"],
     "pp_tp": ["layout=tp_pp"],
     "fsdp_tp": ["layout=fsdp_tp"],
+    # context parallel next to each other dimension (FSDP shards over dp_shard x cp)
+    "fsdp_cp": ["layout.dp_shard=2", "layout.cp=2"],
+    "ddp_cp": ["layout.dp_replicate=2", "layout.cp=2"],
+    "tp_sp_cp": ["layout.tp=2", "layout.sequence_parallel=true", "layout.cp=2"],
+    "pp_cp": ["layout.pp=2", "layout.pp_schedule=1f1b", "layout.cp=2"],
 }
 # Two steps: the gradient norm is compared too, so a wrong gradient scale shows at step 0.
 STEPS = ["train.steps=2"]

@@ -50,7 +50,8 @@ def test_torchrun_ddp_writes_one_mlflow_run(workdir):
 @pytest.mark.parametrize("overrides, key", [
     (["layout=tp", "layout.tp=3"], "layout"),  # 3 does not divide the world of 2
     (["layout=pp", "layout.pp=2", "model.n_layers=3"], "layout.pp"),
-    (["layout.cp=2"], "layout.cp"),  # CPU/gloo has no context-parallel attention
+    # each cp rank holds two equal chunks: 2*cp must divide the sequence
+    (["layout.cp=2", "model.seq_len=130"], "layout.cp"),
 ])
 def test_invalid_layout_exits_2_before_any_process(workdir, overrides, key):
     proc = cli("workbench.run", ARGS + overrides + ["train.run_dir=bad"], workdir, timeout=120)

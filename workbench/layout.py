@@ -108,9 +108,9 @@ def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
                   virtual_stages=cfg.virtual_stages)
 
 
-def validate(layout: Layout, model: ModelConfig, world_size: int, device: str = "cpu") -> None:
-    """Reject a layout that cannot run this model at this world size on this device type
-    (cluster.device); the error names the rule."""
+def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:
+    """Reject a layout that cannot run this model at this world size, before any process
+    starts; the error names the rule."""
     for n in _KEY_ORDER + ("micro_batch", "grad_accum", "virtual_stages"):
         if getattr(layout, n) < 1:
             raise ConfigError(f"layout.{n}", getattr(layout, n), "must be >= 1")
@@ -139,7 +139,6 @@ def validate(layout: Layout, model: ModelConfig, world_size: int, device: str = 
     if layout.pp > 1 and model.tie_embeddings:
         raise ConfigError("layout.pp", layout.pp,
                           "pipeline stages cannot share tied embeddings (model.tie_embeddings)")
-    validate_cp(layout, device)
     stages = layout.pp * layout.virtual_stages
     if model.n_layers % stages:
         raise ConfigError("layout.pp", layout.pp,
@@ -163,14 +162,8 @@ def validate(layout: Layout, model: ModelConfig, world_size: int, device: str = 
         raise ConfigError("layout.cp", layout.cp,
                           f"cp (x tp with sequence parallel) = {seq_split} must divide "
                           f"model.seq_len={model.seq_len}")
+    if layout.cp > 1 and model.seq_len % (2 * layout.cp):
+        raise ConfigError("layout.cp", layout.cp,
+                          f"2*cp = {2 * layout.cp} must divide model.seq_len={model.seq_len} "
+                          "(each cp rank holds two balanced chunks of the sequence)")
 
-
-def validate_cp(layout: Layout, device: str) -> None:
-    """Context parallelism: PyTorch's context-parallel attention rewrites only the CUDA SDPA
-    kernels (flash / efficient / cuDNN) into ring attention; on the CPU there is no such kernel."""
-    if layout.cp == 1:
-        return
-    why = ("PyTorch's context-parallel attention only replaces the CUDA flash/efficient/cuDNN "
-           "SDPA kernels; the CPU (gloo) path has none" if device != "cuda"
-           else "context parallelism is not implemented by the engine yet")
-    raise ConfigError("layout.cp", layout.cp, f"must be 1: {why}")

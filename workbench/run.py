@@ -31,7 +31,7 @@ def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
         layout = best_layout(cfg.model, cfg.cluster, cfg.train, world_size, cfg.lowrank)
     else:
         layout = layouts.resolve(cfg.layout, cfg.train, world_size)
-    layouts.validate(layout, cfg.model, world_size, device=cfg.cluster.device)
+    layouts.validate(layout, cfg.model, world_size)
     return layout
 
 

@@ -44,7 +44,6 @@ class TorchrunLauncher:
                               "torchrun --standalone is one node; use launcher=slurm for more")
         from workbench.train.main import FINAL_METRICS
 
-        _check_layout(job)
         result = Path(job.run_dir) / FINAL_METRICS
         result.unlink(missing_ok=True)
         env = dict(os.environ)
@@ -59,9 +58,3 @@ class TorchrunLauncher:
             raise RanksFailed(f"torchrun job {job.path} exited 0 but wrote no {FINAL_METRICS}")
         return json.loads(result.read_text())
 
-
-def _check_layout(job: Job) -> None:
-    """Backend limits (CP on gloo) are rejected here too, before any process starts."""
-    from workbench.train.parallelize import check_backend
-
-    check_backend(job.the_layout(), job.run_config().cluster.device)

@@ -153,9 +153,9 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
 def engine_only(e: ConfigError) -> bool:
     """A layout.validate rule that limits this repository's engine, not the cost of a layout:
     published stacks allow uneven pipeline stages (torchtitan, Megatron), tied embeddings across
-    stages and SP with learned positions (Megatron), and context parallelism (CUDA only here)."""
+    stages and SP with learned positions (Megatron)."""
     return (e.key == "layout.pp" and "n_layers" in e.valid) or "tie_embeddings" in e.valid \
-        or "model.family" in e.valid or (e.key == "layout.cp" and "context-parallel" in e.valid)
+        or "model.family" in e.valid
 
 
 def predict_case(case: Case, coeff: Coefficients | None = None) -> Estimate:

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from workbench.config import RunConfig, compute_dtype
 from workbench.layout import Layout
 from workbench.train import comm
+from workbench.train.context import shard_sequence
 from workbench.train.engine import autocast
 from workbench.train.loop import Batch, cpu_peak_rss_bytes
 from workbench.train.mesh import Mesh, uses_fsdp
@@ -83,11 +84,17 @@ class ParallelEngine:
         self._stats = None
         for p in self.parts:
             p.train()
+        micro_batches = [self._local(mb) for mb in micro_batches]
         if self.schedule is not None:
             local = self._pipeline_step(micro_batches)
         else:
             local = self._accumulate(micro_batches)
         return self._global_mean(local)
+
+    def _local(self, batch: Batch) -> Batch:
+        """This rank's part of a batch: its two sequence chunks under context parallelism."""
+        x, y = shard_sequence(list(batch), self.mesh.size("cp"), self.mesh.coord("cp"))
+        return x, y
 
     def _accumulate(self, micro_batches: List[Batch]) -> torch.Tensor:
         """Gradient accumulation; DDP/FSDP reduce gradients on the last micro-batch only."""
@@ -129,21 +136,21 @@ class ParallelEngine:
         return out
 
     def _global_mean(self, local: torch.Tensor) -> float:
-        """Mean over data-parallel ranks of each rank's mean: the global-batch mean, since
-        every data-parallel rank holds an equal share."""
+        """Mean over data- and context-parallel ranks of each rank's mean: the global-batch
+        mean, since every such rank holds an equal share of the tokens."""
         local = local.detach().float().clone()
-        for name in ("dp_replicate", "dp_shard"):
+        for name in ("dp_replicate", "dp_shard", "cp"):
             group = self.mesh.group(name)
             if group is not None:
                 dist.all_reduce(local, group=group)
-        return float(local) / self.dp_size
+        return float(local) / (self.dp_size * self.mesh.size("cp"))
 
     @torch.no_grad()
     def eval_loss(self, batches: List[Batch]) -> float:
         for p in self.parts:
             p.eval()
         total = torch.zeros((), device=self.device)
-        for x, y in batches:
+        for x, y in map(self._local, batches):
             with autocast(self.device, self.dtype):
                 if self.schedule is None:
                     total += cross_entropy(self.parts[0](x), y)
@@ -233,7 +240,7 @@ class ParallelEngine:
             out = torch.empty(dist.get_world_size() * vec.numel(), dtype=torch.float64,
                               device=self.device)
             with self.counter.uncounted():
-                dist.all_gather_into_tensor(out, vec)
+                dist.all_gather_single(out, vec)
             out = out.view(dist.get_world_size(), vec.numel())
             mean = out[:, :-1].mean(dim=0).tolist()
             self._stats = comm.metric_dict(dict(zip(comm.KINDS, mean)))

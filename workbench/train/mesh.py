@@ -3,7 +3,10 @@
 Dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp (tp innermost, so that on GPUs
 its heavy traffic stays on the fastest links). Only dimensions of degree > 1 are created, except
 that dp_shard is kept at degree 1 when dp_replicate must be expressed through FSDP2's HSDP form
-(replication next to DTensor parameters, where DDP cannot go).
+(replication next to DTensor parameters, where DDP cannot go). With context parallelism,
+dp_shard and cp are also flattened into "dp_shard_cp": cp ranks hold the same parameters and
+their gradients are averaged with the data-parallel ones, so FSDP2 shards over both (as
+torchtitan does).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ def uses_ddp(layout: Layout) -> bool:
 
 
 def uses_fsdp(layout: Layout) -> bool:
-    """FSDP2 shards (dp_shard > 1), or replicates as HSDP next to tensor/context parallelism."""
-    return layout.dp_shard > 1 or (layout.dp > 1 and not uses_ddp(layout))
+    """FSDP2 shards (dp_shard > 1, or over the cp ranks), or replicates as HSDP next to tensor
+    or pipeline parallelism."""
+    return layout.dp_shard > 1 or layout.cp > 1 or (layout.dp > 1 and not uses_ddp(layout))
 
 
 def mesh_shape(layout: Layout) -> List[Tuple[str, int]]:
@@ -49,6 +53,7 @@ class Mesh:
     mesh: Optional[DeviceMesh]
     dims: Dict[str, int]
     rank: int
+    fsdp: Optional[DeviceMesh] = None  # what FSDP2 shards over (see build_mesh)
 
     def size(self, name: str) -> int:
         return self.dims.get(name, 1)
@@ -101,4 +106,19 @@ def build_mesh(layout: Layout, device: torch.device, rank: int) -> Mesh:
         return Mesh(None, {}, rank)
     names = tuple(n for n, _ in dims)
     mesh = init_device_mesh(device.type, tuple(d for _, d in dims), mesh_dim_names=names)
-    return Mesh(mesh, dict(dims), rank)
+    out = Mesh(mesh, dict(dims), rank)
+    if uses_fsdp(layout):
+        out.fsdp = _fsdp_mesh(out)
+    return out
+
+
+def _fsdp_mesh(m: Mesh) -> DeviceMesh:
+    """(dp_replicate,) dp_shard; with context parallelism dp_shard x cp flattened into one
+    "dp_shard_cp" dimension (2-D with dp_replicate: HSDP)."""
+    if m.size("cp") == 1:
+        return m.sub("dp_replicate", "dp_shard")
+    assert m.mesh is not None
+    flat = m.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if "dp_replicate" not in m.dims:
+        return flat
+    return DeviceMesh._concatenate([m.mesh["dp_replicate"], flat])

@@ -96,6 +96,15 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+class CausalAttention(nn.Module):
+    """Causal scaled-dot-product attention over (B, heads, T, head_dim); a module of its own so
+    that context parallelism can swap it (train/context.py) without this file knowing."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -105,6 +114,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.n_kv_heads * hd, bias=cfg.bias)
         self.wv = nn.Linear(cfg.hidden, cfg.n_kv_heads * hd, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.hidden, bias=cfg.bias)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -115,8 +125,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -160,8 +169,12 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Position of each token of a sequence: the RoPE angles (llama) or the learned-position
+        # ids (gpt2). Buffers, so that context parallelism can hand a rank its own positions.
         self.register_buffer("rope", rope_tables(cfg) if cfg.family == "llama" else None,
                              persistent=False)
+        self.register_buffer("positions", torch.arange(cfg.seq_len)
+                             if cfg.family == "gpt2" else None, persistent=False)
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
@@ -174,13 +187,15 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std, generator=generator)
         if self.rope is not None:
             self.rope = rope_tables(self.cfg, self.rope.device)
+        if self.positions is not None:
+            self.positions = torch.arange(self.cfg.seq_len, device=self.positions.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab); a pipeline stage without the embedding takes
         hidden states instead, and one without the head returns them."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(h.shape[1], device=h.device))
+            h = h + self.pos_embeddings(self.positions[: h.shape[1]])
         for layer in self.layers.values():
             h = layer(h, self.rope)
         h = self.norm(h) if self.norm is not None else h

@@ -1,7 +1,8 @@
 """Apply a Layout to the full model, in a fixed order (as torchtitan does, written anew here):
 
 1. split pipeline stages (pipeline.py), so each later step sees only this rank's modules;
-2. tensor parallel (+ sequence parallel) plans over the "tp" mesh dimension;
+2. context parallel: this rank's positions and the all-gather attention (context.py);
+   then tensor parallel (+ sequence parallel) plans over the "tp" mesh dimension;
 3. activation checkpointing (recompute) per block;
 4. torch.compile per block (train.compile), keeping parameter names;
 5. data parallel last: FSDP2 `fully_shard` (HSDP when dp_replicate and dp_shard are both used,
@@ -27,19 +28,11 @@ from torch.distributed.tensor.parallel import (
 
 from workbench.config import RunConfig, compute_dtype
 from workbench.layout import Layout
+from workbench.train.context import apply_cp
 from workbench.train.engine import apply_recompute
 from workbench.train.mesh import Mesh, build_mesh, uses_ddp, uses_fsdp
 from workbench.train.model import Transformer
 from workbench.train.pipeline import split_stage, stage_ids
-
-
-def check_backend(layout: Layout, device_type: str) -> None:
-    """Combinations the backend cannot run, rejected with the reason; the same rule as
-    layout.validate(..., device), repeated here for jobs made before it was checked."""
-    if layout.cp > 1:
-        from workbench.layout import validate_cp
-
-        validate_cp(layout, device_type)
 
 
 def tp_plan(model: Transformer, sequence_parallel: bool) -> Dict[str, object]:
@@ -98,7 +91,7 @@ def apply_fsdp(model: Transformer, mesh: Mesh, layout: Layout, dtype: str,
     """FSDP2 per block, then the stage root; bf16 compute with fp32 reduction when asked."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh.sub("dp_replicate", "dp_shard")
+    dp_mesh = mesh.fsdp
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if dtype == "bf16" else MixedPrecisionPolicy()
     for block in model.layers.values():
@@ -129,6 +122,8 @@ def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
     out: List[nn.Module] = []
     for part in parts:
         part.to(device)
+        if layout.cp > 1:
+            apply_cp(part, mesh.group("cp"), layout.cp, mesh.coord("cp"))
         apply_tp(part, mesh, layout)
         apply_recompute(part, layout.recompute)
         if cfg.train.compile:
@@ -151,7 +146,6 @@ def make_parallel_engine(model: Transformer, cfg: RunConfig, layout: Layout,
     engine the training loop drives."""
     from workbench.train.dist_engine import ParallelEngine
 
-    check_backend(layout, device.type)
     mesh = build_mesh(layout, device, world["rank"])
     parts = parallelize(model, mesh, layout, cfg, device)
     return ParallelEngine(parts, mesh, layout, cfg, device)
