@@ -156,6 +156,27 @@ def test_ring_attention_costs_imbalance_and_short_chunks(cp: int) -> None:
     assert fwd["cp"] > fwd["one"]
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from([2, 4, 8]))
+def test_allgather_context_parallel_as_this_engine_runs_it(cp: int) -> None:
+    """The engine's cp (train/context.py): one attention kernel, an exposed K/V all-gather
+    and reduce-scatter, and the other ranks' K/V stored per layer; the ring hides its
+    exchange behind attention but pays per-chunk kernels."""
+    from workbench.plan.terms import Software
+
+    lay = Layout(dp_shard=8 // cp, cp=cp, micro_batch=1, grad_accum=1)
+    c = cluster_for("H100-SXM-80GB", 8)
+    ring = estimate(_big(), c, TRAIN, lay, software=Software(cp_load_balance=True))
+    gather = estimate(_big(), c, TRAIN, lay, software=Software(cp_allgather=True))
+    assert estimate(_big(), c, TRAIN, lay).as_metrics() == gather.as_metrics()  # engine default
+    assert gather.time_s["time_cp_comm_s"] > ring.time_s["time_cp_comm_s"]
+    assert gather.time_s["time_fwd_s"] < ring.time_s["time_fwd_s"]
+    m = _big()
+    kv_bytes = m.n_layers * (m.seq_len // cp) * (cp - 1) * 2 * m.n_kv_heads * 128 * 2
+    extra = gather.mem_bytes["mem_activations_bytes"] - ring.mem_bytes["mem_activations_bytes"]
+    assert math.isclose(extra, kv_bytes, rel_tol=1e-9)
+
+
 def test_deepspeed_zero3_gathers_are_slower_and_bound_by_parameters() -> None:
     from workbench.plan.terms import Software
 

@@ -60,10 +60,11 @@ class Estimate:
 
 
 def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
-    """The stack this repository trains with: fused attention, no dropout, overlapped DP, in the
-    dtype a run on this cluster computes in (`auto`: bf16 on cuda, fp32 on cpu)."""
+    """The stack this repository trains with: fused attention, no dropout, overlapped DP,
+    all-gather context parallelism, in the dtype a run on this cluster computes in (`auto`: bf16
+    on cuda, fp32 on cpu)."""
     return Software(precision=compute_dtype(train, cluster),
-                    compiled=bool(getattr(train, "compile", False)))
+                    compiled=bool(getattr(train, "compile", False)), cp_allgather=True)
 
 
 def layout_arrays(layouts: list[Layout]) -> dict[str, np.ndarray]:

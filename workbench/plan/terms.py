@@ -65,6 +65,11 @@ class Software:
     # Context parallel shards the sequence in 2*cp chunks, chunk i paired with 2*cp-1-i, so every
     # rank does the same causal work (torchtitan / Megatron-Core default); False: naive ring.
     cp_load_balance: bool = True
+    # Context parallel by one all-gather of K/V per layer (Llama 3; this repository's engine,
+    # train/context.py) instead of a ring: attention is one kernel over the whole sequence, the
+    # gather (forward) and reduce-scatter of dK/dV (backward) are not overlapped, and the
+    # gathered K/V of the other cp ranks stay stored for the backward.
+    cp_allgather: bool = False
 
     @property
     def act_bytes(self) -> float:
@@ -200,8 +205,9 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
         attn_f = 0.5 * attn_flops / (peak * co.flash_eff)
     else:  # batched GEMMs with K = head_dim
         attn_f = attn_flops / (peak * co.mm_eff_max * g_tok * _g(ms.head_dim, co.mm_dim_half))
-    attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
-        + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
+    if not sw.cp_allgather:
+        attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
+            + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
     act = activation_bytes_per_token(ms, sw, tp, a["sp"])
     traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
                                  else co.eager_elem_factor if sw.eager else 1.0)
@@ -231,8 +237,11 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
         return np.where(cp > 1, (cp - 1) * np.maximum(comm * (1 - co.cp_overlap), comm - comp),
                         0.0)
 
-    cp_fwd = ring_exposed(kv_step, attn_step)
-    cp_bwd = ring_exposed(2 * kv_step, attn_bwd_factor(sw) * attn_step)  # K/V and dK/dV
+    if sw.cp_allgather:  # (cp-1) blocks in, nothing to hide behind; dK/dV the same way back
+        cp_fwd = cp_bwd = (cp - 1) * kv_step
+    else:
+        cp_fwd = ring_exposed(kv_step, attn_step)
+        cp_bwd = ring_exposed(2 * kv_step, attn_bwd_factor(sw) * attn_step)  # K/V and dK/dV
 
     # --- recomputation per layer ---
     full_frac, sel_attn = recompute_fractions(rc, sw)
@@ -304,8 +313,9 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     grad_b = np.where(dps > 1, 4.0 / dps, 4.0)
     param_b = np.where(dps > 1, 4.0 / dps, w_bytes)
     opt_b = state_per_param - grad_b - param_b
-    per_layer = tok * (act["rep"] + act["split"] + (1 - sel_attn) * act["quad"])
-    full_layer = tok * (act["rep"] + act["split"] + act["quad"])
+    kv_others = tok * (cp - 1) * 2 * ms.kv_width / tp * e if sw.cp_allgather else 0.0
+    per_layer = tok * (act["rep"] + act["split"] + (1 - sel_attn) * act["quad"]) + kv_others
+    full_layer = tok * (act["rep"] + act["split"] + act["quad"]) + kv_others
     stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
     working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
     sched = a["sched"]
