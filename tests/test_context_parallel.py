@@ -1,7 +1,7 @@
 """Context parallelism (train/context.py): the head-tail split gives every cp rank the sequence
-once and the same causal work; a GPT-2-family model (learned positions, tied embeddings) trains
-under cp=2 with the single-process losses. The Llama-family cases at 2 and 4 ranks are in
-test_parallel.py and test_parallel_4ranks.py."""
+once and the same causal work; a GPT-2-family model (learned positions, tied embeddings) and a
+grouped-query model train under cp=2 with the single-process losses. The Llama-family cases at
+2 and 4 ranks are in test_parallel.py and test_parallel_4ranks.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from workbench.layout import Layout, validate
 from workbench.train.context import cp_positions
 
 GPT2 = ["model.family=gpt2", "model.bias=true", "model.tie_embeddings=true", "train.steps=2"]
+GQA = ["model.n_kv_heads=2", "train.steps=2"]  # 4 query heads share 2 K/V heads
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
@@ -34,8 +35,9 @@ def test_sequence_not_divisible_by_two_cp_is_rejected():
     assert err.value.key == "layout.cp" and "2*cp = 4" in err.value.valid
 
 
-def test_gpt2_family_under_context_parallel_matches_single_process(tmp_path):
-    results = run_matrix(2, {"cp": ["layout.cp=2"]}, tmp_path, extra_overrides=GPT2)
-    ref = reference(tmp_path, GPT2)
+@pytest.mark.parametrize("model", [GPT2, GQA], ids=["gpt2", "gqa"])
+def test_other_model_shapes_under_context_parallel_match_single_process(tmp_path, model):
+    results = run_matrix(2, {"cp": ["layout.cp=2"]}, tmp_path, extra_overrides=model)
+    ref = reference(tmp_path, model)
     assert_matches_single_process(results["cp-rc_none"], ref)
     assert_matches_single_process(results["cp-rc_full"], ref)

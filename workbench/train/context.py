@@ -71,9 +71,14 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = torch.stack([k, v]).movedim(3, 0)  # (T_local, 2, B, Hkv, D)
-        kv = _GatherSeq.apply(kv, self.group).movedim(0, 3)
-        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=self.mask,
-                                              enable_gqa=kv.shape[2] != q.shape[1])
+        k, v = _GatherSeq.apply(kv, self.group).movedim(0, 3)
+        if k.shape[1] != q.shape[1]:
+            # Grouped-query attention: SDPA's GQA runs only in the flash and math kernels, and
+            # flash takes no mask, so CUDA would fall back to math (scores materialized). Heads
+            # repeated after the gather keep the memory-efficient kernel, which takes the mask.
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
 
 def apply_cp(model: Transformer, group: Any, cp: int, cp_rank: int) -> None:
