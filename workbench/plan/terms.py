@@ -314,7 +314,12 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     param_b = np.where(dps > 1, 4.0 / dps, w_bytes)
     opt_b = state_per_param - grad_b - param_b
     kv_others = tok * (cp - 1) * 2 * ms.kv_width / tp * e if sw.cp_allgather else 0.0
-    per_layer = tok * (act["rep"] + act["split"] + (1 - sel_attn) * act["quad"]) + kv_others
+    # A compiled block (Inductor's min-cut partitioner) recomputes fused pointwise ops in the
+    # backward instead of saving their outputs: the two norm outputs and the SwiGLU product.
+    fused = np.where(a["sp"] > 0, tp, 1.0)
+    unsaved = (2 * e * h / fused + e * ms.ffn_hidden / tp * ms.gated_mlp) if sw.compiled else 0.0
+    per_layer = tok * (act["rep"] + act["split"] + (1 - sel_attn) * act["quad"]) + kv_others \
+        - tok * unsaved
     full_layer = tok * (act["rep"] + act["split"] + act["quad"]) + kv_others
     stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
     working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
@@ -323,8 +328,16 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     first_layers = ls * inflight * np.where((sched == 2) & (pp > 1),
                                             1 + (pp - 1) / (pp * vv), 1.0)
     acts = stored * first_layers
-    logits = (e + 4.0) * tok * ms.vocab / tp  # 16-bit logits + fp32 loss/gradient, last stage
-    fsdp_buf = np.where(dps > 1, (2 * w_bytes + 4.0) * max(p_layer, ms.vocab * h) / tp, 0.0)
+    # Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do):
+    # at the start of the backward three fp32 tensors of the logits' size are alive at once:
+    # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
+    logits = LOSS_BYTES_PER_LOGIT * tok * ms.vocab / tp  # last stage
+    # FSDP2 gathers one block at a time; inside a pipeline schedule it neither reshards after
+    # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
+    # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
+    # and fp32 gradient accumulators stay allocated for the whole step.
+    fsdp_buf = np.where(dps > 1, np.where(pp > 1, (w_bytes + 4.0) * p_mp, (2 * w_bytes + 4.0)
+                                          * max(p_layer, ms.vocab * h) / tp), 0.0)
     buffers = np.where(pp > 1, 0.0, logits) + fsdp_buf + working
     last_stage = stored * ls + working + logits + fsdp_buf
     acts_peak = np.maximum(acts + buffers, last_stage)
@@ -341,6 +354,7 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     return out
 
 
+LOSS_BYTES_PER_LOGIT = 12.0
 TIME_TERMS = ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_tp_comm_s", "time_cp_comm_s",
               "time_pp_p2p_s", "time_pp_bubble_s", "time_dp_comm_exposed_s", "time_optimizer_s")
 MEM_TERMS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
