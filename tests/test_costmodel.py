@@ -253,3 +253,21 @@ def test_eager_elementwise_costs_more_than_fused_and_sp_follows_tp_comm_overlap(
             case = row_case(row)
             assert case.layout.sequence_parallel
             assert predict_case(case).step_time_s > 0
+
+
+
+def test_pipeline_with_fsdp_keeps_the_stage_unsharded() -> None:
+    """torch.distributed.pipelining turns FSDP2's resharding and gradient sync off until the
+    last micro-batch: the stage's bf16 weights and fp32 gradient accumulators (6 bytes per
+    stage parameter) stay allocated, where a replicated stage needs no gather buffer."""
+    m = _big()
+    c = cluster_for("H100-SXM-80GB", 8)
+    train = TrainConfig(global_batch=16, micro_batch=1, dtype="bf16")
+
+    def buffers(**degrees) -> float:
+        lay = Layout(pp=2, micro_batch=1, grad_accum=16 // (4 * 1), **degrees)
+        return estimate(m, c, train, lay).mem_bytes["mem_buffers_bytes"]
+
+    stage_block_params = m.n_layers // 2 * model_shape(m).mean_layer_params()
+    extra = buffers(dp_shard=4) - buffers(dp_replicate=4)
+    assert extra >= 6 * stage_block_params
