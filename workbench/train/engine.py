@@ -17,13 +17,16 @@ from workbench.train.model import Transformer, cross_entropy
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:
-    """Activation checkpointing per block: `full` recomputes the whole block in backward;
-    `selective` recomputes only the attention core (the memory-heavy, FLOP-light part)."""
+    """Activation checkpointing: `full` recomputes every block in backward; `selective`
+    recomputes every other block (odd global index, so pipeline stages agree), halving
+    activation memory for half the recompute. With fused attention there is no s*s tensor for
+    Korthikanti's attention-core recompute to drop, so selective means this (torchtitan's layer
+    policy with frequency 2), and the cost model (plan/terms.py) models exactly this."""
     if mode == "none":
         return
-    for block in model.layers.values():
-        target = block if mode == "full" else block.attention
-        target.forward = _checkpointed(target.forward)
+    for key, block in model.layers.items():
+        if mode == "full" or int(key) % 2 == 1:
+            block.forward = _checkpointed(block.forward)
 
 
 def _checkpointed(fn):
