@@ -166,20 +166,6 @@ def peek_state(ckpt: Any) -> dict[str, Any] | None:
     return None
 
 
-def _serialized_powersgd(state, bucket):  # DDP checks annotations: none, or real types
-    """PyTorch's PowerSGD hook, finished before the next bucket's starts.
-
-    The hook chains several all-reduces through future callbacks; with more than one bucket,
-    one bucket's callbacks and the next bucket's all-reduce can reach gloo in a different order
-    on each rank (a collective mismatch that aborts the job). Waiting keeps every rank's order
-    identical; on the CPU there is no compute to overlap with anyway."""
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
-
-    fut = powerSGD_hook(state, bucket)
-    fut.wait()
-    return fut
-
-
 class LowRankController:
     """The loop's low-rank hooks: prepare -> make_optimizer -> (lr_factor, after_step)* ->
     finish; state_dict goes into every checkpoint."""
@@ -196,6 +182,7 @@ class LowRankController:
         self.switch_step: int | None = None  # first step trained at low rank
         self._trainable = 0
         self._pending: dict[str, float] = {}
+        self._powersgd: list[Any] = []  # this rank's PowerSGD hook states, one per DDP module
 
     # --- set-up ---
     def prepare(self, ckpt: Any) -> None:
@@ -216,8 +203,9 @@ class LowRankController:
         self._trainable = lr_mod.trainable_params(model_of(self.engine))
 
     def _register_powersgd(self) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         from torch.nn.parallel import DistributedDataParallel
+
+        from workbench.train.powersgd import PowerSGD
 
         ddps = [p for p in getattr(self.engine, "parts", []) if
                 isinstance(p, DistributedDataParallel)]
@@ -229,12 +217,9 @@ class LowRankController:
                   file=sys.stderr)
             return
         for ddp in ddps:
-            state = psgd.PowerSGDState(
-                process_group=ddp.process_group,
-                matrix_approximation_rank=self.lr.powersgd_rank,
-                start_powerSGD_iter=max(2, self.lr.powersgd_start_iter),
-                use_error_feedback=True, warm_start=True, random_seed=self.cfg.train.seed)
-            ddp.register_comm_hook(state, _serialized_powersgd)
+            self._powersgd.append(PowerSGD(ddp, self.lr.powersgd_rank,
+                                           max(2, self.lr.powersgd_start_iter),
+                                           self.cfg.train.seed))
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         return make_optimizer(self.engine, self.cfg)
@@ -346,7 +331,8 @@ class LowRankController:
                 "probes": {n: p.state_dict() for n, p in self.probes.items()},
                 "detector": self.detector.state_dict(),
                 "history": {k: list(v) for k, v in self.history.items()},
-                "rank_map": dict(self.rank_map), "switch_step": self.switch_step}
+                "rank_map": dict(self.rank_map), "switch_step": self.switch_step,
+                "powersgd": [p.state_dict() for p in self._powersgd]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("mode", self.mode) != self.mode:
@@ -363,6 +349,8 @@ class LowRankController:
         self.history = {k: [tuple(x) for x in v] for k, v in state["history"].items()}
         self.rank_map = dict(state["rank_map"])
         self.switch_step = state["switch_step"]
+        for hook, saved in zip(self._powersgd, state.get("powersgd", [])):
+            hook.load_state_dict(saved)
 
 
 def make_controller(cfg: RunConfig, engine: Any, tracker: Any,

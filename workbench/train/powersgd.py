@@ -1,0 +1,87 @@
+"""PowerSGD (Vogels et al. 2019) as a DDP comm hook whose state survives a restart bitwise.
+
+PyTorch's `powerSGD_hook` keeps its state (error feedback, warm-started Q matrices) per DDP
+bucket index, as flat tensors in that bucket's layout. DDP builds its buckets twice: in
+registration order for the first iteration, then again from the order gradients became ready.
+A resumed run is in its first iteration again, with the other layout, so the saved state no
+longer lines up (shape errors, or silently misplaced error feedback). Here the state lives per
+parameter name and is laid out into whatever bucket the hook is given, before PyTorch's hook
+runs, and read back after it: the arithmetic is PyTorch's, per tensor, so the result does not
+depend on how parameters are grouped into buckets.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+
+class PowerSGD:
+    """One DDP module's PowerSGD: PyTorch's state object plus per-parameter error and Q."""
+
+    def __init__(self, ddp: nn.Module, rank: int, start_iter: int, seed: int):
+        self.state = psgd.PowerSGDState(
+            process_group=ddp.process_group, matrix_approximation_rank=rank,
+            start_powerSGD_iter=start_iter, use_error_feedback=True, warm_start=True,
+            random_seed=seed)
+        self.names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self.error: dict[str, torch.Tensor] = {}
+        self.q: dict[str, torch.Tensor] = {}
+        ddp.register_comm_hook(self, _hook)
+
+    def _q_layout(self, names: list[str], grads: list[torch.Tensor]) -> list[tuple[str, int, int]]:
+        """(name, Q length, P length) of the compressed tensors, in the order the hook packs
+        them: grouped by shape (first appearance), bucket order inside a group."""
+        st = self.state
+        by_shape: dict[tuple, list] = defaultdict(list)
+        for name, g in zip(names, grads):
+            n, m = g.shape[0], g.numel() // max(g.shape[0], 1)
+            r = min(n, m, st.matrix_approximation_rank)
+            if psgd._should_compress(n, m, r, st.min_compression_rate)[0]:
+                by_shape[(n, m)].append((name, m * r, n * r))
+        return [item for group in by_shape.values() for item in group]
+
+    def run(self, bucket: Any) -> torch.futures.Future:
+        st, idx = self.state, bucket.index()
+        names = [self.names[id(p)] for p in bucket.parameters()]
+        grads = bucket.gradients()
+        layout = self._q_layout(names, grads)
+        for d in (st.error_dict, st.p_memory_dict, st.q_memory_dict):
+            d.pop(idx, None)
+        if names and all(n in self.error for n in names):
+            st.error_dict[idx] = torch.cat([self.error[n] for n in names])
+        if layout and all(n in self.q for n, _, _ in layout):
+            st.q_memory_dict[idx] = torch.cat([self.q[n] for n, _, _ in layout])
+            st.p_memory_dict[idx] = grads[0].new_empty(sum(p for _, _, p in layout))
+        # The hook chains several all-reduces through future callbacks; with more than one
+        # bucket, one bucket's callbacks and the next bucket's all-reduce can reach gloo in a
+        # different order on each rank (a collective mismatch). Waiting keeps every rank's
+        # order identical; on the CPU there is no compute to overlap with anyway.
+        fut = psgd.powerSGD_hook(st, bucket)
+        fut.wait()
+        if idx in st.error_dict:
+            self.error.update(zip(names, st.error_dict[idx].split([g.numel() for g in grads])))
+        if idx in st.q_memory_dict:
+            self.q.update(zip([n for n, _, _ in layout],
+                              st.q_memory_dict[idx].split([q for _, q, _ in layout])))
+        return fut
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's error feedback and Q per parameter, the RNG that draws fresh Qs, and
+        the iteration count (the error feedback differs between ranks)."""
+        return {"iter": self.state.iter, "rng": self.state.rng.get_state(),
+                "error": {n: t.clone() for n, t in self.error.items()},
+                "q": {n: t.clone() for n, t in self.q.items()}}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.state.iter = saved["iter"]
+        self.state.rng.set_state(saved["rng"])
+        self.error, self.q = dict(saved["error"]), dict(saved["q"])
+
+
+def _hook(state: PowerSGD, bucket):  # DDP checks annotations: none, or real types
+    return state.run(bucket)
