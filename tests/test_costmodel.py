@@ -271,3 +271,21 @@ def test_pipeline_with_fsdp_keeps_the_stage_unsharded() -> None:
     stage_block_params = m.n_layers // 2 * model_shape(m).mean_layer_params()
     extra = buffers(dp_shard=4) - buffers(dp_replicate=4)
     assert extra >= 6 * stage_block_params
+
+
+def test_batch_first_sequence_parallel_pays_a_relayout_copy() -> None:
+    """SP on dim 1 of (batch, seq, hidden) activations copies each gathered / scattered tensor
+    once when a micro-batch holds several sequences; one sequence, Megatron's sequence-first
+    layout, or async TP's fused kernels do not."""
+    from workbench.plan.terms import Software
+
+    c = cluster_for("H100-SXM-80GB", 8)
+
+    def tp_s(mb: int, **sw) -> float:
+        lay = Layout(tp=8, sequence_parallel=True, micro_batch=mb, grad_accum=16 // mb)
+        t = TrainConfig(global_batch=16, micro_batch=mb, dtype="bf16")
+        return estimate(_big(), c, t, lay, software=Software(**sw)).time_s["time_tp_comm_s"]
+
+    assert tp_s(2, batch_first_sp=True) > tp_s(2)
+    assert tp_s(1, batch_first_sp=True) == tp_s(1)
+    assert tp_s(2, batch_first_sp=True, async_tp=True) == tp_s(2, async_tp=True)

@@ -64,7 +64,8 @@ def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
     all-gather context parallelism, in the dtype a run on this cluster computes in (`auto`: bf16
     on cuda, fp32 on cpu)."""
     return Software(precision=compute_dtype(train, cluster),
-                    compiled=bool(getattr(train, "compile", False)), cp_allgather=True)
+                    compiled=bool(getattr(train, "compile", False)), cp_allgather=True,
+                    batch_first_sp=True)
 
 
 def layout_arrays(layouts: list[Layout]) -> dict[str, np.ndarray]:

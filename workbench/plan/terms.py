@@ -70,6 +70,12 @@ class Software:
     # gather (forward) and reduce-scatter of dK/dV (backward) are not overlapped, and the
     # gathered K/V of the other cp ranks stay stored for the backward.
     cp_allgather: bool = False
+    # Activations laid out (batch, seq, hidden) with sequence parallel sharding dim 1
+    # (torchtitan, this engine) rather than Megatron's sequence-first layout: with more than one
+    # sequence per micro-batch, each all-gather's output and each reduce-scatter's input is
+    # re-laid out by a full copy (torch.distributed._functional_collectives chunk + cat), unless
+    # async TP's fused all-gather/reduce-scatter matmuls move the shards themselves.
+    batch_first_sp: bool = False
 
     @property
     def act_bytes(self) -> float:
@@ -227,6 +233,8 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     tp_f = np.where(tp > 1, 4 * (tp - 1) / tp * vol / bw_tp
                     + np.where(a["sp"] > 0, 4, 2) * lat_tp, 0.0) \
         * (1 - (co.async_tp_overlap if sw.async_tp else co.tp_overlap if sw.overlap_tp else 0.0))
+    if sw.batch_first_sp and not sw.async_tp:  # 4 collectives, each a read + write of vol
+        tp_f = tp_f + np.where((tp > 1) & (a["sp"] > 0) & (mb > 1), 8 * vol / hbm, 0.0)
     # ring attention: each of cp-1 steps sends this rank's K/V block to the next rank while the
     # current block is computed; only what the step's attention cannot cover is exposed
     bw_cp, lat_cp = _bw(cp, tp, hw, co), _lat(cp, tp, hw, co)

@@ -77,7 +77,8 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
              "dist_optimizer": "overlap-param-gather" in n, "compiled": compiled,
              "eager": torch_fsdp and not compiled,
              "dp_stack": "deepspeed_zero3" if zero3 else "fsdp",
-             "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n}
+             "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n,
+             "batch_first_sp": torch_fsdp}
     if "FP8" in p:
         return Software(precision="fp8", **facts,
                         fp8_scaling="rowwise" if "ROWWISE" in p else "tensorwise")
