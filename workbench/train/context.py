@@ -8,9 +8,9 @@ every rank has the same causal work (the head-tail load balance).
 
 Why not PyTorch's `context_parallel` (ring attention): its handlers rewrite only the CUDA SDPA
 kernels (flash, memory-efficient, cuDNN) and the CPU path has none, so it cannot run, or be
-tested, on gloo. This works on gloo and NCCL alike, with the same losses as one process. It
-costs the K/V of the whole sequence per layer in memory (GQA keeps that small), and its
-all-gather is not overlapped with attention.
+tested, on gloo. This runs on gloo with the same losses as one process, and the same code serves
+NCCL (where it has not been run yet). It costs the K/V of the whole sequence per layer in memory
+(GQA keeps that small), and its all-gather is not overlapped with attention.
 
 The model does not know: `apply_cp` swaps each attention's `core` module and replaces the
 position buffers (RoPE table, learned-position ids) by this rank's positions.
