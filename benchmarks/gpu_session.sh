@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The engine issue's GPU check as one prepared run for a one-GPU machine (the `device` tool's
-# nvidia-h200, 15 minutes of device time per session): benchmarks/gpu_mfu.py (1.24B Llama,
-# bf16, fused AdamW, flash attention, compiled blocks, 30 steps) and the same eager, so the
-# compile gain is measured in the same run. The device image has torch but not omegaconf,
-# which workbench.config imports: build its wheels here, carry them.
+# The GPU checks as one prepared run for a one-GPU machine (the `device` tool's nvidia-h200, 15
+# minutes of device time per session):
+#   1. benchmarks/gpu_mfu.py (1.24B Llama, bf16, fused AdamW, flash attention, compiled blocks,
+#      30 steps) and the same eager, so the compile gain is measured in the same run;
+#   2. the low-rank comparison at GPT-2 124M shape (byte vocabulary) on one GPU, bf16: full
+#      rank, adaptive and fixed low rank at equal tokens (val_loss, tokens/s, MFU), through
+#      `python -m workbench.run ... tracking=none` (the image has no MLflow).
+# The device image has torch but not Hydra/omegaconf: build their wheels here, carry them.
 #
 #   here:    bash benchmarks/gpu_session.sh prepare        # wheels -> .whl/ (git-ignored)
 #   device:  run(command="bash benchmarks/gpu_session.sh run", carry=[".whl"], timeout_s=540)
@@ -12,9 +15,28 @@
 # timeout so one hang leaves the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+lowrank_runs() {  # CLUSTER STEPS [EXTRA overrides...]: one line of figures per mode
+  local cluster=$1 steps=$2 mode dir
+  shift 2
+  for mode in off adaptive fixed; do
+    dir=/tmp/lowrank_$mode
+    rm -rf "$dir"
+    timeout 60 python3 -m workbench.run "cluster=$cluster" model=gpt2_124m model.vocab=256 \
+      "lowrank=$mode" tracking=none "train.steps=$steps" train.global_batch=16 \
+      train.micro_batch=16 train.eval_every=50 train.eval_batches=8 train.ckpt_every=100000 \
+      "train.run_dir=$dir" "$@" 2>&1 | grep -E "^(final|error)" | sed "s/^/$mode: /" \
+      || echo "$mode: failed or timed out"
+    [ -f "$dir/rank_map.json" ] && python3 -c "import json, sys; m = json.load(open(sys.argv[1]));
+print(sys.argv[2] + ': switch_step', m.get('switch_step'), 'layers', len(m.get('layers', {})))" \
+      "$dir/rank_map.json" "$mode"
+  done
+  return 0
+}
 case "${1:-}" in
   prepare)
-    python -m pip wheel --no-deps -w .whl omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+    python -m pip wheel --no-deps -w .whl omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 \
+      "hydra-core==$(python -c 'import hydra; print(hydra.__version__)')"
     ;;
   run)
     out=${OUT:-/tmp/gpu_session}
@@ -25,8 +47,15 @@ case "${1:-}" in
       | tee "$out/gpu.txt"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
     timeout 300 python3 benchmarks/gpu_mfu.py --steps 30 2>&1 | tee "$out/gpu_mfu.log" || true
-    timeout 150 python3 benchmarks/gpu_mfu.py --steps 15 --warmup-steps 5 --no-compile 2>&1 \
+    timeout 120 python3 benchmarks/gpu_mfu.py --steps 15 --warmup-steps 5 --no-compile 2>&1 \
       | tee "$out/gpu_mfu_eager.log" || true
+    lowrank_runs local_gpu 200 2>&1 | tee "$out/lowrank.log"
+    ;;
+  lowrank)  # the comparison alone: lowrank CLUSTER STEPS [overrides...]; a CPU try:
+    # bash benchmarks/gpu_session.sh lowrank local_cpu 8 model.n_layers=2 model.hidden=64 \
+    #   model.ffn_hidden=128 model.n_heads=2 model.n_kv_heads=2 model.seq_len=64
+    shift
+    lowrank_runs "$@"
     ;;
   *)
     echo "usage: $0 prepare|run" >&2
