@@ -83,3 +83,22 @@ def test_cli_bad_input_exits_2_with_one_line(workdir: Path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.n_heads" in lines[0] and "Traceback" not in out.stderr
     assert not (workdir / "mlflow.db").exists()  # nothing recorded for a rejected run
+
+
+@pytest.mark.parametrize("option", ["gpt_tiny", "gpt_small"])
+def test_meta_and_direct_builds_give_bitwise_equal_weights(option, monkeypatch):
+    """Small models skip the meta device (its first use costs seconds); both paths must draw
+    the same weights, tied embeddings included."""
+    import torch
+
+    from workbench.train import model as model_mod
+
+    cfg = compose([f"model={option}"]).model
+    direct = model_mod.build(cfg, seed=3)
+    monkeypatch.setattr(model_mod, "META_ABOVE_PARAMS", 0)
+    via_meta = model_mod.build(cfg, seed=3)
+    a, b = direct.state_dict(), via_meta.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if cfg.tie_embeddings:
+        assert via_meta.output.weight is via_meta.tok_embeddings.weight
+        assert direct.output.weight is direct.tok_embeddings.weight

@@ -209,14 +209,22 @@ class Transformer(nn.Module):
         return flops_per_token(self.cfg)
 
 
+META_ABOVE_PARAMS = 200_000_000
+
+
 def build(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Transformer:
     """The model with its seeded initial weights, drawn on the CPU so that every layout and
-    device starts from the same weights."""
-    with torch.device("meta"):
+    device starts from the same weights. A large model is laid out on the meta device first
+    (PyTorch's default init of billions of weights would be thrown away); a small one is built
+    on the CPU directly, since the meta device's first use costs ~2 s of lazy imports."""
+    if n_params(cfg) > META_ABOVE_PARAMS:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        model.to_empty(device="cpu")
+        if cfg.tie_embeddings:  # to_empty allocates each module's tensors anew: tie again
+            model.output.weight = model.tok_embeddings.weight
+    else:
         model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    if cfg.tie_embeddings:  # to_empty allocates each module's tensors anew: tie again
-        model.output.weight = model.tok_embeddings.weight
     with torch.no_grad():
         model.init_weights(torch.Generator(device="cpu").manual_seed(seed))
     return model.to(device)
