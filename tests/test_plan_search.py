@@ -48,6 +48,19 @@ def test_best_layout_world_size_and_error() -> None:
     assert e.value.key == "layout" and e.value.value == "auto"
 
 
+def test_layout_auto_skips_what_only_other_stacks_run() -> None:
+    """GPT-3's vocabulary (50257) admits no tensor parallelism here and its tied embeddings no
+    pipeline: the cost model's favourite (tp x pp, as Megatron runs it) is passed over for the
+    fastest layout this engine accepts."""
+    c = cfg("gpt3_175b", 1024)
+    r = rank_layouts(c.model, c.cluster, c.train, 512)
+    top = r.layout(int(r.order[0]))
+    assert top.tp > 1 or top.pp > 1
+    lay = best_layout(c.model, c.cluster, c.train, 512)
+    validate(lay, c.model, 512)
+    assert lay.tp == 1 and lay.pp == 1
+
+
 def test_optuna_within_two_percent_of_exhaustive_for_most_seeds() -> None:
     """Seeds 0-9, 100 trials each (infeasible ones count), no trial seeded from the ranking."""
     c = cfg("llama3_70b", 512)

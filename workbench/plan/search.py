@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.config import ClusterConfig, ConfigError, LowRankConfig, ModelConfig, TrainConfig
-from workbench.layout import RECOMPUTE, SCHEDULES, Layout
+from workbench.layout import RECOMPUTE, SCHEDULES, Layout, validate
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.costmodel import Estimate, estimate, flops_per_step, hardware_for, software_for
 from workbench.plan.shapes import model_shape
@@ -26,7 +26,7 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 SCHED_V = ((0, 1), (1, 1), (2, 2), (2, 3), (2, 4))  # (schedule index, virtual stages)
 REASONS = ("feasible", "tp must divide heads, kv heads and ffn_hidden",
            "pp*virtual_stages must divide n_layers",
-           "cp (x tp with sequence parallel) must divide seq_len",
+           "cp (x tp with sequence parallel) and 2*cp must divide seq_len",
            "global batch not divisible by dp*micro_batch",
            "pipeline needs >= pp micro-batches per step", "does not fit in GPU memory")
 
@@ -70,7 +70,8 @@ def _reasons(model: ModelConfig, a: dict[str, np.ndarray], global_batch: int) ->
     local = global_batch / (dp * a["mb"])
     split = a["cp"] * np.where(a["sp"] > 0, a["tp"], 1)
     rules = [g % a["tp"] != 0, model.n_layers % (a["pp"] * a["v"]) != 0,
-             model.seq_len % split != 0, local != np.floor(local),
+             (model.seq_len % split != 0) | ((a["cp"] > 1) & (model.seq_len % (2 * a["cp"]) != 0)),
+             local != np.floor(local),
              (a["pp"] > 1) & (a["sched"] > 0) & (local < a["pp"])]
     reason = np.zeros(len(dp), dtype=np.int8)
     for code in range(len(rules), 0, -1):
@@ -150,14 +151,23 @@ def rank_layouts(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
 
 def best_layout(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, world_size: int,
                 lowrank: LowRankConfig | None = None) -> Layout:
-    """The predicted-fastest layout that fits (for layout=auto); ConfigError if none does."""
+    """The predicted-fastest layout that fits and that this engine runs (for layout=auto: the
+    cost model also ranks layouts other stacks allow, e.g. tp not dividing the vocabulary);
+    ConfigError if there is none."""
     r = rank_layouts(model, cluster, train, world_size, lowrank)
-    if len(r.order) == 0:
-        why = "; ".join(f"{n} {k}" for k, n in sorted(r.rejected().items(), key=lambda x: -x[1]))
-        raise ConfigError("layout", "auto",
-                          f"no layout of {model.name} on {world_size} GPU(s) with global batch "
-                          f"{train.global_batch} is feasible ({why or 'empty space'})")
-    return r.layout(int(r.order[0]))
+    engine_rules: dict[str, int] = {}
+    for i in r.order:
+        lay = r.layout(int(i))
+        try:
+            validate(lay, model, world_size)
+            return lay
+        except ConfigError as err:
+            engine_rules[err.valid] = engine_rules.get(err.valid, 0) + 1
+    rejected = {**r.rejected(), **engine_rules}
+    why = "; ".join(f"{n} {k}" for k, n in sorted(rejected.items(), key=lambda x: -x[1]))
+    raise ConfigError("layout", "auto",
+                      f"no layout of {model.name} on {world_size} GPU(s) with global batch "
+                      f"{train.global_batch} is feasible ({why or 'empty space'})")
 
 
 def best_estimate(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
