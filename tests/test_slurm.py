@@ -162,9 +162,9 @@ def test_requeue_and_time_limit_signal_resume_into_the_same_run(workdir):
     assert "resumed from checkpoint" in log
 
 
-@pytest.mark.skipif(os.environ.get("WORKBENCH_SLURM_TIMELIMIT") != "1",
-                    reason="2-6 min on 2 cores; WORKBENCH_SLURM_TIMELIMIT=1 runs it (the USR2 "
-                           "path itself is covered by the requeue test)")
+@pytest.mark.skipif(os.environ.get("WORKBENCH_SLURM_TIMELIMIT") != "1" and not in_ci(),
+                    reason="2-6 min on 2 cores; WORKBENCH_SLURM_TIMELIMIT=1 (or CI) runs it "
+                           "(the USR2 path itself is covered by the requeue test)")
 def test_real_time_limit_checkpoints_requeues_and_finishes(workdir):
     """launcher.time_min=1: Slurm's own USR2 warning arrives mid-run (Slurm's ~30 s tick makes
     each attempt last 15-30 s), again after each requeue; the run still ends FINISHED with
