@@ -324,8 +324,7 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Arr
     kv_others = tok * (cp - 1) * 2 * ms.kv_width / tp * e if sw.cp_allgather else 0.0
     # A compiled block (Inductor's min-cut partitioner) recomputes fused pointwise ops in the
     # backward instead of saving their outputs: the two norm outputs and the SwiGLU product.
-    fused = np.where(a["sp"] > 0, tp, 1.0)
-    unsaved = (2 * e * h / fused + e * ms.ffn_hidden / tp * ms.gated_mlp) if sw.compiled else 0.0
+    unsaved = (2 * act["input"] + e * ms.ffn_hidden / tp * ms.gated_mlp) if sw.compiled else 0.0
     per_layer = tok * (act["rep"] + act["split"] + (1 - sel_attn) * act["quad"]) + kv_others \
         - tok * unsaved
     full_layer = tok * (act["rep"] + act["split"] + act["quad"]) + kv_others

@@ -18,7 +18,7 @@ position buffers (RoPE table, learned-position ids) by this rank's positions.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,15 +59,13 @@ class _GatherSeq(torch.autograd.Function):
 class ContextParallelAttention(nn.Module):
     """Local queries against the cp group's keys and values, causal over global positions.
 
-    Input q (B, H, T_local, D), k/v (B, Hkv, T_local, D). One all-gather carries K and V."""
+    Input q (B, H, T_local, D), k/v (B, Hkv, T_local, D). One all-gather carries K and V.
+    `mask` (T_local, S) is shared by every layer of the rank (see causal_mask)."""
 
-    def __init__(self, group: Any, seq_len: int, cp: int, cp_rank: int):
+    def __init__(self, group: Any, mask: torch.Tensor):
         super().__init__()
         self.group = group
-        q_pos = cp_positions(seq_len, cp, cp_rank)
-        k_pos = torch.cat([cp_positions(seq_len, cp, r) for r in range(cp)])
-        # Gathered keys arrive in rank order; mask[i, j]: key j is at or before query i.
-        self.register_buffer("mask", k_pos[None, :] <= q_pos[:, None], persistent=False)
+        self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = torch.stack([k, v]).movedim(3, 0)  # (T_local, 2, B, Hkv, D)
@@ -81,23 +79,25 @@ class ContextParallelAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
 
+def causal_mask(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """mask[i, j]: gathered key j (keys arrive in rank order) is at or before local query i."""
+    q_pos = cp_positions(seq_len, cp, cp_rank)
+    k_pos = torch.cat([cp_positions(seq_len, cp, r) for r in range(cp)])
+    return k_pos[None, :] <= q_pos[:, None]
+
+
 def apply_cp(model: Transformer, group: Any, cp: int, cp_rank: int) -> None:
     """Give this rank's positions to the position buffers and the cp attention to every
-    block present (a pipeline stage holds some)."""
+    block present (a pipeline stage holds some); one mask serves all of them."""
     seq_len = model.cfg.seq_len
     pos = cp_positions(seq_len, cp, cp_rank)
     if model.rope is not None:
         model.rope = model.rope[pos.to(model.rope.device)]
     if model.positions is not None:
         model.positions = model.positions[pos.to(model.positions.device)]
+    mask: dict[torch.device, torch.Tensor] = {}
     for block in model.layers.values():
         device = next(block.parameters()).device
-        block.attention.core = ContextParallelAttention(group, seq_len, cp, cp_rank).to(device)
-
-
-def shard_sequence(tensors: List[torch.Tensor], cp: int, cp_rank: int) -> List[torch.Tensor]:
-    """This rank's slice (along dim 1) of token and target batches."""
-    if cp == 1:
-        return tensors
-    idx = cp_positions(tensors[0].shape[1], cp, cp_rank).to(tensors[0].device)
-    return [t.index_select(1, idx) for t in tensors]
+        if device not in mask:
+            mask[device] = causal_mask(seq_len, cp, cp_rank).to(device)
+        block.attention.core = ContextParallelAttention(group, mask[device])

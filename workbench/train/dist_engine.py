@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from workbench.config import RunConfig, compute_dtype
 from workbench.layout import Layout
 from workbench.train import comm
-from workbench.train.context import shard_sequence
+from workbench.train.context import cp_positions
 from workbench.train.engine import autocast
 from workbench.train.loop import Batch, cpu_peak_rss_bytes
 from workbench.train.mesh import Mesh, uses_fsdp
@@ -66,6 +66,9 @@ class ParallelEngine:
         self.dtype = "fp32" if uses_fsdp(layout) else compute_dtype(cfg.train, cfg.cluster)
         self.counter = comm.counter_of(dist.group.WORLD) or comm.ByteCounter()
         self._stats: Optional[Dict[str, float]] = None
+        # The sequence positions this rank holds under context parallelism (None: all).
+        self.seq_index = cp_positions(cfg.model.seq_len, layout.cp, mesh.coord("cp")).to(device) \
+            if layout.cp > 1 else None
         self.schedule = None
         if layout.pp > 1:
             self.stage_indices = stage_ids(layout, mesh.pp_rank)
@@ -93,8 +96,9 @@ class ParallelEngine:
 
     def _local(self, batch: Batch) -> Batch:
         """This rank's part of a batch: its two sequence chunks under context parallelism."""
-        x, y = shard_sequence(list(batch), self.mesh.size("cp"), self.mesh.coord("cp"))
-        return x, y
+        if self.seq_index is None:
+            return batch
+        return batch[0].index_select(1, self.seq_index), batch[1].index_select(1, self.seq_index)
 
     def _accumulate(self, micro_batches: List[Batch]) -> torch.Tensor:
         """Gradient accumulation; DDP/FSDP reduce gradients on the last micro-batch only."""

@@ -6,7 +6,8 @@ registration order for the first iteration, then again from the order gradients 
 A resumed run is in its first iteration again, with the other layout, so the saved state no
 longer lines up (shape errors, or silently misplaced error feedback). Here the state lives per
 parameter name and is laid out into whatever bucket the hook is given, before PyTorch's hook
-runs, and read back after it: the arithmetic is PyTorch's, per tensor, so the result does not
+runs (only when a bucket's parameters differ from the last time that index was seen), and
+read back after it as views: the arithmetic is PyTorch's, per tensor, so the result does not
 depend on how parameters are grouped into buckets.
 """
 
@@ -31,6 +32,8 @@ class PowerSGD:
         self.names = {id(p): n for n, p in ddp.module.named_parameters()}
         self.error: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
+        # per bucket index: the parameter names PyTorch's state is laid out for, and their Qs
+        self._buckets: dict[int, tuple[list[str], list[tuple[str, int, int]]]] = {}
         ddp.register_comm_hook(self, _hook)
 
     def _q_layout(self, names: list[str], grads: list[torch.Tensor]) -> list[tuple[str, int, int]]:
@@ -49,14 +52,19 @@ class PowerSGD:
         st, idx = self.state, bucket.index()
         names = [self.names[id(p)] for p in bucket.parameters()]
         grads = bucket.gradients()
-        layout = self._q_layout(names, grads)
-        for d in (st.error_dict, st.p_memory_dict, st.q_memory_dict):
-            d.pop(idx, None)
-        if names and all(n in self.error for n in names):
-            st.error_dict[idx] = torch.cat([self.error[n] for n in names])
-        if layout and all(n in self.q for n, _, _ in layout):
-            st.q_memory_dict[idx] = torch.cat([self.q[n] for n, _, _ in layout])
-            st.p_memory_dict[idx] = grads[0].new_empty(sum(p for _, _, p in layout))
+        seen = self._buckets.get(idx)
+        if seen is not None and seen[0] == names:
+            layout = seen[1]
+        else:  # a new bucket layout (or a resumed run)
+            layout = self._q_layout(names, grads)
+            self._buckets[idx] = (names, layout)
+            for d in (st.error_dict, st.p_memory_dict, st.q_memory_dict):
+                d.pop(idx, None)
+            if names and all(n in self.error for n in names):
+                st.error_dict[idx] = torch.cat([self.error[n] for n in names])
+            if layout and all(n in self.q for n, _, _ in layout):
+                st.q_memory_dict[idx] = torch.cat([self.q[n] for n, _, _ in layout])
+                st.p_memory_dict[idx] = grads[0].new_empty(sum(p for _, _, p in layout))
         # The hook chains several all-reduces through future callbacks; with more than one
         # bucket, one bucket's callbacks and the next bucket's all-reduce can reach gloo in a
         # different order on each rank (a collective mismatch). Waiting keeps every rank's
@@ -81,6 +89,7 @@ class PowerSGD:
         self.state.iter = saved["iter"]
         self.state.rng.set_state(saved["rng"])
         self.error, self.q = dict(saved["error"]), dict(saved["q"])
+        self._buckets.clear()
 
 
 def _hook(state: PowerSGD, bucket):  # DDP checks annotations: none, or real types
