@@ -24,14 +24,19 @@ BASE = ["model=gpt_tiny", "train.steps=3", "train.global_batch=8", "train.micro_
         "train.eval_batches=4", "train.eval_every=100", "train.ckpt_every=100",
         "train.warmup_steps=1", "tracking=none", "data.max_bytes=400000"]
 
-# name -> overrides; every one divides a world of 2 on gpt_tiny.
-LAYOUTS_2: Dict[str, List[str]] = {
+# name -> overrides. The presets fill the whole world with one dimension, so these run at any
+# world size that divides gpt_tiny (2 and 4).
+SINGLE_DIMENSION: Dict[str, List[str]] = {
     "ddp": ["layout=ddp"],
     "fsdp": ["layout=fsdp"],
     "tp": ["layout=tp"],
     "tp_sp": ["layout=tp", "layout.sequence_parallel=true"],
     "pp_gpipe": ["layout=pp", "layout.pp_schedule=gpipe"],
     "pp_1f1b": ["layout=pp", "layout.pp_schedule=1f1b"],
+}
+# every one divides a world of 2 on gpt_tiny
+LAYOUTS_2: Dict[str, List[str]] = {
+    **SINGLE_DIMENSION,
     "pp_interleaved": ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
                        "layout.virtual_stages=2"],
     "cp": ["layout.cp=2"],

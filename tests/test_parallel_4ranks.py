@@ -8,16 +8,17 @@ from __future__ import annotations
 from typing import Dict, List
 
 import pytest
-from test_parallel import RECOMPUTE, assert_matches_single_process, reference, run_matrix
+from test_parallel import (
+    RECOMPUTE,
+    SINGLE_DIMENSION,
+    assert_matches_single_process,
+    reference,
+    run_matrix,
+)
 
 # Every layout of the issue at world 4 (interleaved needs pp*v | 4 layers: pp=2, v=2, dp=2).
 LAYOUTS_4: Dict[str, List[str]] = {
-    "ddp": ["layout=ddp"],
-    "fsdp": ["layout=fsdp"],
-    "tp": ["layout=tp"],
-    "tp_sp": ["layout=tp", "layout.sequence_parallel=true"],
-    "pp_gpipe": ["layout=pp", "layout.pp_schedule=gpipe"],
-    "pp_1f1b": ["layout=pp", "layout.pp_schedule=1f1b"],
+    **SINGLE_DIMENSION,
     "pp_interleaved_dp": ["layout.dp_shard=2", "layout.pp=2",
                           "layout.pp_schedule=interleaved_1f1b", "layout.virtual_stages=2"],
     "dp_tp": ["layout.dp_replicate=2", "layout.tp=2"],
