@@ -7,6 +7,7 @@ codes stay ours (a run writes mlflow.db where the user stands, and exit 2 means 
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -21,6 +22,14 @@ EXIT_BAD_INPUT = 2
 
 class InputError(Exception):
     """Bad input that is not a config value (a missing file, a corrupt checkpoint, ...)."""
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose usage errors are bad input like any other: one line, exit 2 (`guarded`)
+    instead of argparse's usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InputError(f"{self.prog}: {message}")
 
 
 def compose_dict(overrides: Sequence[str]) -> DictConfig:

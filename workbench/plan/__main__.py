@@ -8,20 +8,14 @@ search and report it) are the command's own options.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import sys
 from pathlib import Path
 
-from workbench.cli import InputError, compose, guarded
+from workbench.cli import ArgParser, InputError, compose, guarded
 from workbench.plan.hardware import GIB
 from workbench.plan.search import REASONS, Ranking, rank_layouts
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise InputError(f"{self.prog}: {message}")
 
 
 def write_ranking(path: Path, r: Ranking) -> None:
@@ -54,7 +48,7 @@ def _key_or_degrees(r: Ranking, i: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="python -m workbench.plan",
+    p = ArgParser(prog="python -m workbench.plan",
                 description="Rank every parallel layout with the cost model.")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=llama3_70b")
     p.add_argument("--out", type=Path, default=None, help="ranking CSV (default plan-*.csv)")

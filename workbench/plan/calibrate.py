@@ -10,7 +10,6 @@ inside a physically plausible range, so a fit cannot buy accuracy with nonsense.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -18,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from workbench.cli import InputError, guarded
+from workbench.cli import ArgParser, InputError, guarded
 from workbench.config import CONF_DIR, ClusterConfig, ConfigError
 from workbench.plan.coefficients import NAMES, Coefficients, coefficients
 from workbench.plan.hardware import match_gpu
@@ -121,13 +120,8 @@ def write_coeff(path: Path, values: dict[str, float]) -> None:
     tmp.replace(path)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise InputError(f"{self.prog}: {message}")
-
-
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="python -m workbench.plan.calibrate",
+    p = ArgParser(prog="python -m workbench.plan.calibrate",
                 description="Fit a cluster's cost-model coefficients to measurements.")
     p.add_argument("--cluster", required=True, help="conf/cluster/NAME.yaml to calibrate")
     src = p.add_mutually_exclusive_group(required=True)

@@ -7,7 +7,6 @@ its reason in `pred_error` instead of stopping the file: one bad row must not hi
 
 from __future__ import annotations
 
-import argparse
 import csv
 import re
 import sys
@@ -15,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.cli import InputError, guarded
+from workbench.cli import ArgParser, InputError, guarded
 from workbench.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
 from workbench.layout import Layout
 from workbench.layout import validate as validate_layout
@@ -215,13 +214,8 @@ def write_rows(path: Path, header: Sequence[str], rows: list[dict[str, str]]) ->
     tmp.replace(path)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise InputError(f"{self.prog}: {message}")
-
-
 def main(argv: list[str]) -> int:
-    p = _Parser(prog="python -m workbench.plan.validate",
+    p = ArgParser(prog="python -m workbench.plan.validate",
                 description="Predict every row of a published-layouts CSV.")
     p.add_argument("--csv", type=Path, default=None,
                    help="input rows (default: ../shared/calibration/published_layouts.csv)")
