@@ -77,7 +77,6 @@ class LayoutConfig:
     recompute: str = "none"  # none | selective | full
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     virtual_stages: int = 1
-    pp_microbatches: int = 0  # 0: global batch / (dp * micro_batch)
 
 
 @dataclass
