@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 class ConfigError(ValueError):
@@ -51,7 +51,6 @@ class ClusterConfig:
     nodes: int = 1
     gpus_per_node: int = 1
     peak_bf16_flops: float = MISSING  # dense, per device
-    peak_fp16_flops: float = MISSING
     peak_fp32_flops: float = MISSING
     hbm_bytes: float = MISSING  # memory per device
     hbm_bw_bytes_per_s: float = MISSING
@@ -84,7 +83,9 @@ class TrainConfig:
     steps: int = 300
     seed: int = 1337
     global_batch: int = 16  # sequences per optimizer step
-    micro_batch: int = 16  # sequences per forward/backward on one data-parallel rank
+    # Sequences per forward/backward on one data-parallel rank; 0 = the largest the global batch
+    # allows without accumulation (layout.auto_micro_batch), resolved before the job is written.
+    micro_batch: int = 0
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -223,7 +224,7 @@ def validate(cfg: RunConfig) -> None:
     m, t = cfg.model, cfg.train
     _positive(cfg, ["model.n_layers", "model.hidden", "model.n_heads", "model.n_kv_heads",
                     "model.ffn_hidden", "model.vocab", "model.seq_len", "train.steps",
-                    "train.global_batch", "train.micro_batch", "train.lr", "train.eval_every",
+                    "train.global_batch", "train.lr", "train.eval_every",
                     "train.eval_batches", "train.ckpt_every", "train.keep_ckpts",
                     "train.log_every", "data.max_bytes"])
     if m.hidden % m.n_heads:
@@ -235,6 +236,9 @@ def validate(cfg: RunConfig) -> None:
     if m.family == "llama" and (m.hidden // m.n_heads) % 2:
         raise ConfigError("model.hidden", m.hidden,
                           "hidden / n_heads must be even for rotary embeddings")
+    if t.micro_batch < 0:
+        raise ConfigError("train.micro_batch", t.micro_batch,
+                          "must be >= 0 (0 = as large as the global batch allows per dp rank)")
     if t.warmup_steps < 0:
         raise ConfigError("train.warmup_steps", t.warmup_steps, "must be >= 0")
     if not 0.0 <= t.min_lr_ratio <= 1.0:

@@ -77,6 +77,19 @@ class Layout:
         return {f"layout.{f.name}": getattr(self, f.name) for f in fields(self)}
 
 
+def auto_micro_batch(global_batch: int, dp: int, pp: int = 1) -> int:
+    """`train.micro_batch=0`: as many sequences per forward as the global batch allows without
+    accumulation, so every data-parallel layout runs on the defaults. A pipeline needs at least
+    pp micro-batches in flight (1F1B and interleaved reject fewer, and fewer leave GPipe mostly
+    bubble), so there the micro-batch is the largest that leaves a multiple of pp of them."""
+    per_rank = max(1, global_batch // max(1, dp))
+    if pp <= 1:
+        return per_rank
+    fits = [m for m in range(per_rank, 0, -1) if per_rank % m == 0 and per_rank // m >= pp]
+    whole = [m for m in fits if (per_rank // m) % pp == 0]
+    return (whole or fits or [1])[0]
+
+
 def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
     """Turn the asked-for degrees (with at most one -1 = "the rest") into a concrete Layout."""
     degrees = {n: getattr(cfg, n) for n in _KEY_ORDER}
@@ -97,13 +110,17 @@ def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
                               f"product {fixed}")
         degrees[fill[0]] = world_size // fixed
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    per_step = dp * train.micro_batch
+    micro = train.micro_batch or auto_micro_batch(train.global_batch, dp, degrees["pp"])
+    per_step = dp * micro
     if train.global_batch % per_step:
+        if not train.micro_batch:
+            raise ConfigError("train.global_batch", train.global_batch,
+                              f"must be a multiple of dp ({dp}) (the data-parallel degree)")
         raise ConfigError("train.global_batch", train.global_batch,
                           f"must be a multiple of dp ({dp}) x train.micro_batch "
                           f"({train.micro_batch}) = {per_step}")
     return Layout(**degrees, sequence_parallel=cfg.sequence_parallel,
-                  micro_batch=train.micro_batch, grad_accum=train.global_batch // per_step,
+                  micro_batch=micro, grad_accum=train.global_batch // per_step,
                   recompute=cfg.recompute, pp_schedule=cfg.pp_schedule,
                   virtual_stages=cfg.virtual_stages)
 

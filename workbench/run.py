@@ -55,6 +55,7 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
     run_dir = new_run_dir(cfg).resolve()
     resolved = config_dict(cfg)
     resolved["train"]["run_dir"] = str(run_dir)
+    resolved["train"]["micro_batch"] = layout.micro_batch  # 0 (auto) is logged as resolved
     config_yaml = OmegaConf.to_yaml(resolved)
     manifest = manifests.build(config_yaml, overrides, cfg.train.seed, data.fingerprint)
     tags = {**manifests.tags(manifest), "wb.layout": layout.key(),
