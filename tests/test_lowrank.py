@@ -152,7 +152,7 @@ TINY = ["model.n_layers=4", "model.hidden=64", "model.ffn_hidden=192", "model.se
 
 
 def _train(run_dir, steps: int, stop_after=None):
-    from workbench.run import start
+    from workbench.submit import start
     from workbench.train.main import run_job
 
     _, job = start(TINY + [f"train.steps={steps}", f"train.run_dir={run_dir}"])

@@ -8,7 +8,6 @@ codes stay ours (a run writes mlflow.db where the user stands, and exit 2 means 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from typing import Callable, List, Sequence
@@ -16,6 +15,7 @@ from typing import Callable, List, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from workbench.config import CONF_DIR, ConfigError, RunConfig, register, validate
+from workbench.places import show_traceback
 
 EXIT_BAD_INPUT = 2
 
@@ -188,7 +188,7 @@ def _valid_keys(key: str) -> str:
 
 def report_and_exit(err: Exception) -> None:
     """The one-line contract; WORKBENCH_TRACEBACK=1 shows the traceback too."""
-    if os.environ.get("WORKBENCH_TRACEBACK"):
+    if show_traceback():
         import traceback
 
         traceback.print_exc()

@@ -7,7 +7,6 @@ onto, so an unknown key or a wrong type fails at composition time instead of dee
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -160,9 +159,9 @@ class TrackingConfig:
 
     def resolved_uri(self) -> str:
         """The URI the run writes to: explicit, then the environment, then a local sqlite."""
-        if self.uri:
-            return self.uri
-        return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+        from workbench.places import tracking_uri
+
+        return tracking_uri(self.uri)
 
 
 @dataclass

@@ -11,10 +11,8 @@ for gaps is the `off` run when there is one, else the first.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -22,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.cli import InputError, guarded
+from workbench.cli import ArgParser, InputError, guarded
+from workbench.places import SWEEPS_DIR, tracking_uri
+from workbench.track.tracker import reading_client
 
 SERIES = ("loss", "val_loss", "tokens_per_s", "comm/bytes_per_step", "params/trainable",
           "step_time_s", "lowrank/switch_step")
@@ -75,7 +75,7 @@ def client(uri: str | None = None):
     return MlflowClient(tracking_uri=uri) if uri else MlflowClient()
 
 
-def resolve(c: Any, args: Sequence[str], sweeps_dir: str = "sweeps") -> list[str]:
+def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[str]:
     """Run ids for the arguments: sweeps (trials.json), parents (their children), runs."""
     from mlflow.exceptions import MlflowException
 
@@ -291,18 +291,29 @@ def attach(c: Any, parent_run_id: str, out: Path, rows: Sequence[dict[str, Any]]
         with_retries(c.log_batch, parent_run_id, metrics=ms)
 
 
+def _known_run(c: Any, run_id: str, key: str) -> None:
+    """Checked before anything is written, so a typo leaves no half-made report behind."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        c.get_run(run_id)
+    except MlflowException:
+        raise InputError(f"{key}={run_id!r}: no such run in {c.tracking_uri}") from None
+
+
 @guarded
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.report", description=__doc__)
+    ap = ArgParser(prog="python -m workbench.report", description=__doc__)
     ap.add_argument("runs", nargs="+", help="run ids, parent run ids or sweeps")
     ap.add_argument("--out", default="", help="folder for the report (default reports/<first>)")
-    ap.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI", ""),
+    ap.add_argument("--uri", default="",
                     help="MLflow tracking URI (default $MLFLOW_TRACKING_URI or ./mlflow.db)")
     ap.add_argument("--parent", default="", help="log the report as artifacts of this run")
-    ap.add_argument("--sweeps-dir", default="sweeps")
+    ap.add_argument("--sweeps-dir", default=SWEEPS_DIR)
     a = ap.parse_args(argv)
-    uri = a.uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    c = client(uri)
+    c = reading_client(tracking_uri(a.uri))
+    if a.parent:
+        _known_run(c, a.parent, "--parent")
     ids = resolve(c, a.runs, a.sweeps_dir)
     out = Path(a.out or Path("reports") / Path(a.runs[0]).name)
     result = build(c, ids, out)

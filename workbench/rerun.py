@@ -1,4 +1,5 @@
-"""`python -m workbench.rerun RUN_ID`: run again exactly what an MLflow run ran.
+"""`python -m workbench.rerun RUN_ID|RUN_DIR`: run again exactly what an MLflow run ran (a run
+folder names its run through its job file).
 
 The config comes from the run's manifest artifact, not from the current conf/ files, so a rerun
 reproduces the original even after presets changed; what did change in the code or environment
@@ -18,14 +19,16 @@ from omegaconf import OmegaConf
 from workbench.cli import InputError, guarded
 from workbench.config import RunConfig, TrackingConfig, validate
 from workbench.data.corpus import load as load_data
+from workbench.launch import world_size
+from workbench.submit import launch, prepare_job, summary
 from workbench.track import manifest as manifests
+from workbench.track.tracker import reading_client
 
 
 def fetch_manifest(tracking: TrackingConfig, run_id: str) -> dict:
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking.resolved_uri())
+    client = reading_client(tracking.resolved_uri())
     try:
         client.get_run(run_id)
     except MlflowException:
@@ -39,12 +42,24 @@ def fetch_manifest(tracking: TrackingConfig, run_id: str) -> dict:
         return json.loads(Path(path).read_text())
 
 
+def _from_run_dir(folder: Path) -> tuple[str, str]:
+    """A run folder's MLflow run id and store, read from its job file."""
+    from workbench.job import Job
+
+    job = Job.load(folder)
+    if not job.run_id:
+        raise InputError(f"run_dir={str(folder)!r}: its run was not tracked (tracking=none)")
+    return job.run_id, job.run_config().tracking.uri
+
+
 @guarded
 def main(argv: List[str]) -> int:
     if len(argv) < 1:
-        raise InputError("usage: python -m workbench.rerun RUN_ID [tracking.uri=URI]")
+        raise InputError("usage: python -m workbench.rerun RUN_ID|RUN_DIR [tracking.uri=URI]")
     run_id, rest = argv[0], argv[1:]
     tracking = TrackingConfig()
+    if Path(run_id).is_dir():
+        run_id, tracking.uri = _from_run_dir(Path(run_id))
     for ov in rest:
         key, _, value = ov.partition("=")
         if key != "tracking.uri":
@@ -64,12 +79,8 @@ def main(argv: List[str]) -> int:
         print(f"differs from the original: {line}", file=sys.stderr)
     if not diffs:
         print("code, environment and data match the original run", file=sys.stderr)
-    from workbench.launch import make_launcher
-    from workbench.run import launch, prepare_job, summary
-
-    world_size = make_launcher(cfg.launcher).world_size()
     tags = {"wb.rerun_of": run_id, "wb.rerun_differs": str(bool(diffs)).lower()}
-    job = prepare_job(cfg, old.get("overrides", []), world_size, extra_tags=tags)
+    job = prepare_job(cfg, old.get("overrides", []), world_size(cfg.launcher), extra_tags=tags)
     last = launch(cfg, job)
     print(summary(cfg, job, last))
     return 0

@@ -1,151 +1,16 @@
-"""`python -m workbench.run [overrides]`: compose the config, pick the layout, record the run,
-write the job file and hand it to the launcher. Thin on purpose: every step is a function that
-the sweep driver and `workbench.rerun` reuse.
+"""`python -m workbench.run [overrides]`: one run, a sweep (`+sweep=NAME`) or a plain grid
+(`--multirun`). Dispatch only: preparing and launching a job lives in `workbench.submit`, the
+sweep driver in `workbench.sweep`.
 """
 
 from __future__ import annotations
 
-import secrets
 import sys
-import time
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List
 
-from omegaconf import OmegaConf
-
-from workbench import layout as layouts
-from workbench.cli import compose, guarded
-from workbench.config import ConfigError, RunConfig
-from workbench.data.corpus import load as load_data
-from workbench.job import JOB_NAME, Job, config_dict, flat_params
-from workbench.launch import make_launcher
-from workbench.track import manifest as manifests
-from workbench.track.tracker import MlflowTracker, create_run
-
-
-def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
-    """The concrete layout: as configured, or the planner's best for this world size."""
-    if cfg.layout.auto:
-        from workbench.plan.search import best_layout
-
-        layout = best_layout(cfg.model, cfg.cluster, cfg.train, world_size, cfg.lowrank)
-    else:
-        layout = layouts.resolve(cfg.layout, cfg.train, world_size)
-    layouts.validate(layout, cfg.model, world_size)
-    return layout
-
-
-def new_run_dir(cfg: RunConfig) -> Path:
-    if cfg.train.run_dir:
-        return Path(cfg.train.run_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.model.name}-{secrets.token_hex(3)}"
-
-
-def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
-                extra_tags: Optional[Dict[str, str]] = None,
-                parent_run_id: Optional[str] = None) -> Job:
-    """Validate everything, then record the run (params, tags, manifest) and write its job
-    file. Nothing is recorded before the config and layout are known to be valid."""
-    layout = choose_layout(cfg, world_size)
-    data = load_data(cfg.data)
-    if data.vocab > cfg.model.vocab:
-        raise ConfigError("model.vocab", cfg.model.vocab,
-                          f"must be >= the data's vocabulary ({data.vocab})")
-    run_dir = new_run_dir(cfg).resolve()
-    resolved = config_dict(cfg)
-    resolved["train"]["run_dir"] = str(run_dir)
-    resolved["train"]["micro_batch"] = layout.micro_batch  # 0 (auto) is logged as resolved
-    config_yaml = OmegaConf.to_yaml(resolved)
-    manifest = manifests.build(config_yaml, overrides, cfg.train.seed, data.fingerprint)
-    tags = {**manifests.tags(manifest), "wb.layout": layout.key(),
-            "wb.model": cfg.model.name, "wb.cluster": cfg.cluster.name,
-            "wb.launcher": cfg.launcher.name, "wb.run_dir": str(run_dir),
-            **(extra_tags or {})}
-    run_name = f"{cfg.model.name}-{layout.key()}-s{cfg.train.seed}"
-    if cfg.lowrank.mode != "off":  # runs compared side by side need telling apart
-        run_name += f"-{cfg.lowrank.mode}"
-    run_id = create_run(cfg.tracking, run_name, tags, parent_run_id)
-    job = Job(config=resolved, layout=layout.key(), run_dir=str(run_dir), run_id=run_id,
-              data_dir=str(data.folder), world_size=world_size, tags=tags)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_yaml)
-    (run_dir / "manifest.json").write_text(_json(manifest))
-    if run_id:
-        tracker = MlflowTracker(cfg.tracking.resolved_uri(), run_id)
-        params = flat_params(resolved) | layout.as_params() | {
-            "world_size": world_size, "layout": layout.key(), "n_params": _n_params(cfg)}
-        tracker.log_params(params)
-        for name in ("config.yaml", "manifest.json"):
-            tracker.log_artifact(str(run_dir / name), "manifest")
-        _log_prediction(cfg, layout, world_size, tracker)
-        tracker.close("RUNNING")
-    job.save()
-    return job
-
-
-def _n_params(cfg: RunConfig) -> int:
-    from workbench.train.model import n_params
-
-    return n_params(cfg.model)
-
-
-def _log_prediction(cfg: RunConfig, layout: layouts.Layout, world_size: int,
-                    tracker: MlflowTracker) -> None:
-    """The cost model's prediction beside what will be measured: calibration is a query."""
-    try:
-        from workbench.plan.costmodel import estimate
-    except ImportError:
-        return
-    try:
-        est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
-    except (ConfigError, ValueError, ZeroDivisionError):
-        return
-    tracker.log_metrics({f"pred/{k}": v for k, v in est.as_metrics().items()}, 0)
-    tracker.flush()
-
-
-def _json(obj) -> str:
-    import json
-
-    return json.dumps(obj, indent=1, default=str)
-
-
-def existing_job(cfg: RunConfig) -> Optional[Job]:
-    """`train.run_dir=DIR` naming a run that already has a job file resumes that run."""
-    if cfg.train.run_dir and (Path(cfg.train.run_dir) / JOB_NAME).exists():
-        return Job.load(Path(cfg.train.run_dir) / JOB_NAME)
-    return None
-
-
-def launch(cfg: RunConfig, job: Job) -> Dict[str, float]:
-    return make_launcher(cfg.launcher).launch(job)
-
-
-def summary(cfg: RunConfig, job: Job, last: Dict[str, float]) -> str:
-    lines = [f"run dir: {job.run_dir}"]
-    if "loss" in last:
-        val = last.get("val_loss", float("nan"))
-        lines.append(f"final loss {last['loss']:.4f}  val_loss {val:.4f}  "
-                     f"tokens/s {last['tokens_per_s']:.0f}")
-    if job.run_id:
-        uri = cfg.tracking.resolved_uri()
-        lines.append(f"mlflow run: {job.run_id}")
-        lines.append(f"open the UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 "
-                     "--port 5000")
-    lines.append(f"resume or continue: python -m workbench.train {job.path}")
-    return "\n".join(lines)
-
-
-def start(overrides: List[str]) -> Tuple[RunConfig, Job]:
-    """Compose and validate, then reuse the run named by train.run_dir or record a new one."""
-    cfg = compose(overrides)
-    job = existing_job(cfg)
-    if job is not None:
-        print(f"resuming run in {job.run_dir} (its job file defines the run)", file=sys.stderr)
-        return job.run_config(), job
-    world_size = make_launcher(cfg.launcher).world_size()
-    return cfg, prepare_job(cfg, overrides, world_size)
+from workbench.cli import guarded
+from workbench.launch import RanksFailed
+from workbench.submit import launch, start, summary
 
 
 @guarded
@@ -161,9 +26,7 @@ def main(argv: List[str]) -> int:
     cfg, job = start(argv)
     try:
         last = launch(cfg, job)
-    except RuntimeError as e:  # ranks failed: their logs said why; one line here, not a trace
-        if type(e).__name__ != "RanksFailed":
-            raise
+    except RanksFailed as e:  # the ranks' own logs said why; one line here, not a traceback
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     print(summary(cfg, job, last))

@@ -25,6 +25,7 @@ import submitit
 
 from workbench.config import ConfigError, LauncherConfig, TrackingConfig
 from workbench.job import Job
+from workbench.launch import world_size
 
 # How many times a job may hit its time limit and requeue itself. Slurm checks limits on a ~30 s
 # tick, so a short job can be signalled several times; a site job rarely needs more than a few.
@@ -49,18 +50,6 @@ class StopFlag:
 
     def local(self) -> bool:
         return bool(self.signals)
-
-    def agreed(self) -> bool:
-        """True when any rank was signalled: all ranks stop at the same step, or the ones still
-        training would block forever in their next collective."""
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self.local()
-        flag = torch.tensor([1.0 if self.local() else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
 
 
 class TrainTask(submitit.helpers.Checkpointable):
@@ -89,7 +78,7 @@ class TrainTask(submitit.helpers.Checkpointable):
             _tag_run(job, slurm_tags(env))
         from workbench.train.main import run_job
 
-        last = run_job(job, progress=False, stop_requested=flag.agreed)
+        last = run_job(job, progress=False, stop_requested=flag.local)  # the loop agrees
         if "stopped_at" not in last:
             # Done: a time-limit warning that arrives now must not kill the exiting process
             # (Slurm would then record FAILED for a finished run).
@@ -206,7 +195,7 @@ class SlurmLauncher:
         self.cfg = cfg
 
     def world_size(self) -> int:
-        return self.cfg.nodes * self.cfg.tasks_per_node
+        return world_size(self.cfg)
 
     def submit(self, job: Job, folder: Path | None = None) -> submitit.Job[Any]:
         folder = folder or Path(job.run_dir) / "slurm"

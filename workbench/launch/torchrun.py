@@ -17,10 +17,14 @@ from typing import Dict, List
 
 from workbench.config import LauncherConfig
 from workbench.job import Job
+from workbench.launch import RanksFailed, world_size
 
 
-class RanksFailed(RuntimeError):
-    """The ranks of a torchrun job exited with an error."""
+def command(nproc_per_node: int, job_path: Path | str) -> List[str]:
+    """The one torchrun command line (this launcher and the sweep's process backend)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nnodes", "1", "--nproc_per_node", str(nproc_per_node),
+            "-m", "workbench.train", str(job_path)]
 
 
 class TorchrunLauncher:
@@ -28,12 +32,7 @@ class TorchrunLauncher:
         self.cfg = cfg
 
     def world_size(self) -> int:
-        return self.cfg.nproc_per_node * self.cfg.nodes
-
-    def command(self, job: Job) -> List[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nnodes", "1", "--nproc_per_node", str(self.cfg.nproc_per_node),
-                "-m", "workbench.train", str(job.path)]
+        return world_size(self.cfg)
 
     def launch(self, job: Job) -> Dict[str, float]:
         """Run the job to completion; the final metrics of the loss-holding rank."""
@@ -50,7 +49,7 @@ class TorchrunLauncher:
         # One intra-op thread per rank unless asked: N ranks share the node's cores.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
                                                   // self.cfg.nproc_per_node)))
-        proc = subprocess.run(self.command(job), env=env)
+        proc = subprocess.run(command(self.cfg.nproc_per_node, job.path), env=env)
         if proc.returncode != 0:
             raise RanksFailed(f"torchrun job {job.path} failed: the ranks exited with status "
                               f"{proc.returncode} (their errors are printed above)")

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from workbench.config import RunConfig
 from workbench.job import Job
+from workbench.launch.torchrun import command as torchrun_command
 from workbench.sweep.state import TrialRecord
 
 # sacct states after which a Slurm job will not run again (REQUEUED/PENDING are not final).
@@ -72,9 +73,7 @@ class ProcessBackend:
 
     def command(self, job: Job) -> list[str]:
         if self.cfg.launcher.name == "torchrun" and job.world_size > 1:
-            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={self.cfg.launcher.nproc_per_node}",
-                    "-m", "workbench.train", str(job.path)]
+            return torchrun_command(self.cfg.launcher.nproc_per_node, job.path)
         return [sys.executable, "-m", "workbench.train", str(job.path)]
 
     def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]:

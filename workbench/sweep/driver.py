@@ -116,7 +116,7 @@ def ask(sw: Sweep, count: int) -> list[TrialRecord]:
 
 def candidate(sw: Sweep, record: TrialRecord) -> tuple[RunConfig | None, str]:
     """The trial's run config with its layout checked and predicted, or (None, why not)."""
-    from workbench.run import choose_layout
+    from workbench.submit import choose_layout
 
     trial = sw.base.copy()
     for key, value in record.params.items():
@@ -181,7 +181,7 @@ def reject(sw: Sweep, record: TrialRecord, reason: str) -> None:
 def prepare(sw: Sweep, records: list[TrialRecord]) -> None:
     """asked -> prepared (MLflow child run + job file) or -> rejected, without launching."""
     from workbench.job import JOB_NAME, Job
-    from workbench.run import prepare_job
+    from workbench.submit import prepare_job
     from workbench.sweep.space import overrides_of
 
     survivors = []

@@ -17,10 +17,6 @@ from workbench.config import ConfigError
 FLAGS = ("--multirun", "-m")
 
 
-def wants_multirun(argv: list[str]) -> bool:
-    return any(a in FLAGS for a in argv)
-
-
 def expand(overrides: list[str]) -> list[list[str]]:
     """The cartesian product of every sweep override, as lists of plain overrides."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -46,7 +42,7 @@ def expand(overrides: list[str]) -> list[list[str]]:
 
 def main(argv: list[str]) -> int:
     """Run every combination; exit status 1 if any run failed (the others still run)."""
-    from workbench import run as runner
+    from workbench import submit
 
     combos = expand([a for a in argv if a not in FLAGS])
     for combo in combos:  # validate all before recording or running any
@@ -55,9 +51,9 @@ def main(argv: list[str]) -> int:
     for i, combo in enumerate(combos):
         print(f"[multirun {i + 1}/{len(combos)}] {' '.join(combo)}", file=sys.stderr)
         try:
-            cfg, job = runner.start(combo)
-            last = runner.launch(cfg, job)
-            print(runner.summary(cfg, job, last))
+            cfg, job = submit.start(combo)
+            last = submit.launch(cfg, job)
+            print(submit.summary(cfg, job, last))
         except (ConfigError, RuntimeError, FloatingPointError) as e:
             failed.append(i)
             print(f"[multirun {i + 1}/{len(combos)}] failed: {' '.join(str(e).split())}",

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from workbench.cli import compose_dict, to_run_config
 from workbench.config import ConfigError, RunConfig
+from workbench.launch import world_size
 from workbench.sweep.backends import Backend
 from workbench.sweep.space import Objective, SweepConfig, objectives, params, parse_sweep
 from workbench.sweep.state import SweepState
@@ -23,15 +24,6 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the run overrides every trial shares, the `+sweep=`/`sweep.*` overrides)."""
     sweep_args = [a for a in argv if a.lstrip("+~").startswith("sweep")]
     return [a for a in argv if a not in sweep_args], sweep_args
-
-
-def world_size_of(cfg: RunConfig) -> int:
-    launcher = cfg.launcher
-    if launcher.name == "slurm":
-        return launcher.nodes * launcher.tasks_per_node
-    if launcher.name == "torchrun":
-        return launcher.nodes * launcher.nproc_per_node
-    return 1
 
 
 @dataclass
@@ -86,7 +78,7 @@ def load(argv: list[str]) -> Sweep:
             raise ConfigError(f"sweep.space.{key}", _first(dist),
                               " ".join(str(e).split())[:200]) from None
     state = SweepState(Path(sweep.dir) / sweep.name)
-    return Sweep(sweep, objs, base, cfg, base_overrides, state, world_size_of(cfg))
+    return Sweep(sweep, objs, base, cfg, base_overrides, state, world_size(cfg.launcher))
 
 
 def from_state(folder: Path) -> Sweep:

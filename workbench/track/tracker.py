@@ -176,3 +176,18 @@ def create_run(cfg: TrackingConfig, run_name: str, tags: Dict[str, str],
         tags = {**tags, "mlflow.parentRunId": parent_run_id}
     run = with_retries(client.create_run, exp_id, tags=tags, run_name=run_name)
     return run.info.run_id
+
+
+def reading_client(uri: str) -> Any:
+    """An MLflow client for a command that only reads (report, rerun): a sqlite store that does
+    not exist is bad input, not a new empty store to create (and log about)."""
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from workbench.cli import InputError
+
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        raise InputError(f"tracking uri {uri!r}: no MLflow store there (run from the folder "
+                         "that holds mlflow.db, or set MLFLOW_TRACKING_URI / tracking.uri)")
+    return MlflowClient(tracking_uri=uri)

@@ -1,0 +1,172 @@
+"""The README is a contract: every fenced ```bash block in it runs here, as a user would type it.
+
+A block runs as one bash script (top to bottom, `set -e`) in a fresh folder laid out like a
+clone (benchmarks/ and slurm/ linked from the repository, ../shared beside it), with this
+test's MLflow store and corpus cache. At CPU scale: `python -m workbench.run` gets a few steps,
+benchmarks get their smallest arguments (`SMALL` below); nothing else is changed. A marker line
+`<!-- readme: TAG ... -->` right before a block says what it needs:
+
+- `install`: the first command; its install steps are what .ci/run (and the wheel test) do, so
+  only what follows them runs here;
+- `ci`: the test command, which .ci/run itself runs (it is not run from inside the tests);
+- `slurm`: runs under the slurm marker (the local cluster of slurm/);
+- `gpu`, `network`: composed but not run (no GPU, no network here): every `workbench.run` /
+  `workbench.plan` command in it must compose, and every benchmark must answer --help;
+- `slow`: marked slow (CI still runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, in_ci
+
+README = REPO / "README.md"
+TAGS = {"install", "ci", "slurm", "gpu", "network", "slow"}
+RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1"]
+SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1"]
+STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (conftest.FAST)
+SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
+    "benchmarks/loop_overhead.py": ["--steps", "3", "--trials", "1"],
+    "benchmarks/parallel_cpu.py": ["--steps", "2"],
+    "benchmarks/lowrank_cpu.py": ["--steps", "12"],
+    "benchmarks/sweep_overhead.py": ["--trials", "4"],
+}
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    tags: set[str]
+    commands: list[str]  # continuation lines joined
+
+    @property
+    def id(self) -> str:
+        return f"L{self.line}"
+
+
+def blocks(text: str) -> list[Block]:
+    """Every ```bash block with the tags of the marker line before it."""
+    lines = text.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```bash":
+            tags: set[str] = set()
+            j = i - 1
+            while j >= 0 and not lines[j].strip():
+                j -= 1
+            m = re.fullmatch(r"<!--\s*readme:\s*([\w\s-]+?)\s*-->", lines[j].strip()) \
+                if j >= 0 else None
+            if m:
+                tags = set(m.group(1).split())
+            end = lines.index("```", i + 1)
+            out.append(Block(i + 1, tags, _commands(lines[i + 1:end])))
+            i = end
+        i += 1
+    return out
+
+
+def _commands(body: list[str]) -> list[str]:
+    cmds, cur = [], ""
+    for raw in body:
+        line = raw.rstrip()
+        if line.endswith("\\"):
+            cur += line[:-1] + " "
+            continue
+        cur += line
+        if cur.strip() and not cur.strip().startswith("#"):
+            cmds.append(cur.strip())
+        cur = ""
+    return cmds
+
+
+def scaled(cmd: str) -> str:
+    """The command at CPU scale; a trailing comment is dropped."""
+    words = shlex.split(cmd, comments=True)
+    if words[:3] == ["python", "-m", "workbench.run"]:
+        small = SWEEP_SMALL if any(w.lstrip("+").startswith("sweep=") for w in words) \
+            else RUN_SMALL
+        if not any(w.startswith("data") for w in words):
+            small = small + STDLIB_SMALL
+        keys = {s.split("=")[0] for s in small}
+        words = [w for w in words if w.split("=")[0] not in keys] + small
+    elif len(words) >= 2 and words[0] == "python" and words[1] in SMALL:
+        words = words + SMALL[words[1]]
+    return shlex.join(words) if "$(" not in cmd else cmd.split(" #")[0]
+
+
+def _install_tail(cmd: str) -> str:
+    steps = [s.strip() for s in cmd.split("&&")]
+    keep = [s for s in steps if not s.startswith(("python3 -m venv", ". .venv", "pip install"))]
+    return " && ".join(scaled(s) for s in keep)
+
+
+ALL = blocks(README.read_text())
+
+
+def test_readme_has_blocks_and_known_tags():
+    assert len(ALL) >= 8
+    for b in ALL:
+        assert b.tags <= TAGS, (b.id, b.tags - TAGS)
+        assert b.commands, f"empty block at {b.id}"
+    assert [b.tags for b in ALL[:2]] == [{"install"}, {"ci"}]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "test-command" in ci and "<!-- test-command -->" in README.read_text()
+
+
+def _params():
+    for b in ALL:
+        if "ci" in b.tags:
+            continue
+        marks = [getattr(pytest.mark, t) for t in ("slurm", "slow") if t in b.tags]
+        yield pytest.param(b, id=b.id, marks=marks)
+
+
+@pytest.fixture
+def clone(workdir) -> Path:
+    """A folder laid out like a user's clone: the repository's scripts, ../shared beside it."""
+    root = workdir / "clone"
+    root.mkdir()
+    for name in ("benchmarks", "slurm", ".ci"):
+        (root / name).symlink_to(REPO / name)
+    shared = REPO.parent / "shared"
+    if shared.is_dir():
+        (workdir / "shared").symlink_to(shared)
+    return root
+
+
+def _compose_only(block: Block, cwd: Path) -> None:
+    from workbench.cli import compose
+
+    for cmd in block.commands:
+        words = shlex.split(cmd, comments=True)
+        if words[:3] in (["python", "-m", "workbench.run"], ["python", "-m", "workbench.plan"]):
+            compose([w for w in words[3:] if not w.startswith("-")])
+        elif words[0] == "python" and words[1].startswith("benchmarks/"):
+            proc = subprocess.run(["python", words[1], "--help"], cwd=cwd, capture_output=True,
+                                  text=True, timeout=120)
+            assert proc.returncode == 0, (block.id, cmd, proc.stderr[-2000:])
+        else:
+            raise AssertionError(f"{block.id}: cannot compose {cmd!r} without running it")
+
+
+@pytest.mark.parametrize("block", list(_params()))
+def test_readme_block_runs(block: Block, clone: Path):
+    if "slurm" in block.tags and not os.environ.get("SLURM_CONF") and not in_ci():
+        pytest.skip("needs the local Slurm cluster (slurm/start-local-cluster.sh)")
+    if block.tags & {"gpu", "network"}:
+        _compose_only(block, clone)
+        return
+    cmds = [_install_tail(c) for c in block.commands] if "install" in block.tags \
+        else [scaled(c) for c in block.commands]
+    script = "set -euo pipefail\n" + "\n".join(f"echo '+ {c}' >&2\n{c}" for c in cmds) + "\n"
+    proc = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True,
+                          timeout=1500, env=os.environ.copy())
+    assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
