@@ -1,7 +1,8 @@
 """The parallel layout of one run: a frozen value that the planner proposes and the engine applies.
 
 A layout is identified by a short canonical key (used as the MLflow tag and the Optuna trial
-attribute), so that runs with the same layout are comparable by a string match.
+attribute), so that runs with the same layout are comparable by a string match. What makes a
+layout valid is workbench.plan.rules (written once, shared with the planner).
 """
 
 from __future__ import annotations
