@@ -1,7 +1,8 @@
 """The parallel layout of one run: a frozen value that the planner proposes and the engine applies.
 
 A layout is identified by a short canonical key (used as the MLflow tag and the Optuna trial
-attribute), so that runs with the same layout are comparable by a string match.
+attribute), so that runs with the same layout are comparable by a string match. What makes a
+layout valid is workbench.plan.rules (written once, shared with the planner).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import re
 from dataclasses import dataclass, fields
 
 from workbench.config import ConfigError, LayoutConfig, ModelConfig, TrainConfig
+from workbench.plan.columns import RECOMPUTE, SCHEDULES, layout_columns
+from workbench.plan.rules import RULES, first_broken
 
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+__all__ = ["RECOMPUTE", "SCHEDULES", "Layout", "auto_micro_batch", "resolve", "validate"]
 _KEY_ORDER = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 _SHORT = {"dp_replicate": "dpr", "dp_shard": "dps", "tp": "tp", "pp": "pp", "cp": "cp"}
 
@@ -127,60 +129,9 @@ def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
 
 def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:
     """Reject a layout that cannot run this model at this world size, before any process
-    starts; the error names the rule."""
-    for n in _KEY_ORDER + ("micro_batch", "grad_accum", "virtual_stages"):
-        if getattr(layout, n) < 1:
-            raise ConfigError(f"layout.{n}", getattr(layout, n), "must be >= 1")
-    if layout.recompute not in RECOMPUTE:
-        raise ConfigError("layout.recompute", layout.recompute, f"must be one of {RECOMPUTE}")
-    if layout.pp_schedule not in SCHEDULES:
-        raise ConfigError("layout.pp_schedule", layout.pp_schedule, f"must be one of {SCHEDULES}")
-    if layout.world_size != world_size:
-        raise ConfigError("layout", layout.key(),
-                          f"dp_replicate*dp_shard*tp*pp*cp = {layout.world_size} != world size "
-                          f"{world_size}")
-    if model.n_heads % layout.tp:
-        raise ConfigError("layout.tp", layout.tp, f"must divide model.n_heads={model.n_heads}")
-    if model.n_kv_heads % layout.tp:
-        raise ConfigError("layout.tp", layout.tp,
-                          f"must divide model.n_kv_heads={model.n_kv_heads}")
-    if model.ffn_hidden % layout.tp:
-        raise ConfigError("layout.tp", layout.tp,
-                          f"must divide model.ffn_hidden={model.ffn_hidden}")
-    if model.vocab % layout.tp:
-        raise ConfigError("layout.tp", layout.tp, f"must divide model.vocab={model.vocab}")
-    if layout.sequence_parallel and model.family == "gpt2":
-        raise ConfigError("layout.sequence_parallel", True,
-                          "not supported for model.family=gpt2 (learned positions are added "
-                          "before the sequence is split); use tp without it")
-    if layout.pp > 1 and model.tie_embeddings:
-        raise ConfigError("layout.pp", layout.pp,
-                          "pipeline stages cannot share tied embeddings (model.tie_embeddings)")
-    stages = layout.pp * layout.virtual_stages
-    if model.n_layers % stages:
-        raise ConfigError("layout.pp", layout.pp,
-                          f"pp*virtual_stages={stages} must divide model.n_layers="
-                          f"{model.n_layers}")
-    if layout.virtual_stages > 1 and layout.pp_schedule != "interleaved_1f1b":
-        raise ConfigError("layout.virtual_stages", layout.virtual_stages,
-                          "virtual stages > 1 need layout.pp_schedule=interleaved_1f1b")
-    if layout.pp_schedule == "interleaved_1f1b" and layout.pp > 1 and layout.virtual_stages < 2:
-        raise ConfigError("layout.virtual_stages", layout.virtual_stages,
-                          "interleaved_1f1b needs virtual_stages >= 2")
-    if layout.pp > 1 and layout.grad_accum < layout.pp and layout.pp_schedule != "gpipe":
-        raise ConfigError("train.global_batch", layout.global_batch,
-                          f"pipeline schedule {layout.pp_schedule} needs at least pp={layout.pp} "
-                          f"micro-batches per step, got {layout.grad_accum}; lower "
-                          "train.micro_batch or raise train.global_batch")
-    if layout.sequence_parallel and layout.tp == 1:
-        raise ConfigError("layout.sequence_parallel", True, "needs layout.tp > 1")
-    seq_split = layout.cp * (layout.tp if layout.sequence_parallel else 1)
-    if model.seq_len % seq_split:
-        raise ConfigError("layout.cp", layout.cp,
-                          f"cp (x tp with sequence parallel) = {seq_split} must divide "
-                          f"model.seq_len={model.seq_len}")
-    if layout.cp > 1 and model.seq_len % (2 * layout.cp):
-        raise ConfigError("layout.cp", layout.cp,
-                          f"2*cp = {2 * layout.cp} must divide model.seq_len={model.seq_len} "
-                          "(each cp rank holds two balanced chunks of the sequence)")
-
+    starts; the error names the rule (the first of workbench.plan.rules that it breaks, the
+    same rules the planner ranks by)."""
+    first = int(first_broken(model, world_size, layout_columns([layout]))[0])
+    if first:
+        rule = RULES[first - 1]
+        raise ConfigError(rule.key, rule.value(layout), rule.message(model, world_size, layout))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from workbench.cli import ArgParser, InputError, compose, guarded
 from workbench.plan.hardware import GIB
-from workbench.plan.search import REASONS, Ranking, rank_layouts
+from workbench.plan.search import Ranking, rank_layouts
 
 
 def write_ranking(path: Path, r: Ranking) -> None:
@@ -35,7 +35,7 @@ def write_ranking(path: Path, r: Ranking) -> None:
             mem = r.peak_mem_bytes[i]
             w.writerow(["", _key_or_degrees(r, i), "", "", "",
                         "" if math.isnan(mem) else f"{mem / GIB:.4g}", "false",
-                        REASONS[int(r.reason[i])]])
+                        r.reason_of(i)])
     tmp.replace(path)
 
 

@@ -8,7 +8,7 @@ typo cannot silently fall back to a default.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from workbench.config import ClusterConfig, ConfigError
 from workbench.plan.hardware import match_gpu
@@ -112,9 +112,6 @@ class Coefficients:
     mem_fixed_bytes: float = 1.5 * 2**30
     # Caching-allocator fragmentation, as a fraction of dynamic (activation + buffer) memory.
     mem_frag: float = 0.08
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 NAMES = tuple(f.name for f in fields(Coefficients))

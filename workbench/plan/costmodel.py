@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig, compute_dtype
-from workbench.layout import RECOMPUTE, SCHEDULES, Layout
+from workbench.layout import Layout
 from workbench.plan.coefficients import Coefficients, coefficients
+from workbench.plan.columns import Columns, layout_columns
 from workbench.plan.hardware import GpuSpec, spec_of_cluster
 from workbench.plan.shapes import ModelShape, model_shape
 from workbench.plan.terms import MEM_TERMS, TIME_TERMS, Software, evaluate, recompute_fractions
@@ -68,24 +69,11 @@ def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
                     batch_first_sp=True)
 
 
-def layout_arrays(layouts: list[Layout]) -> dict[str, np.ndarray]:
-    """Column arrays of layouts in the form terms.evaluate takes."""
-    def col(fn) -> np.ndarray:
-        return np.array([fn(x) for x in layouts], dtype=np.float64)
-
-    return {"dpr": col(lambda x: x.dp_replicate), "dps": col(lambda x: x.dp_shard),
-            "tp": col(lambda x: x.tp), "pp": col(lambda x: x.pp), "cp": col(lambda x: x.cp),
-            "sp": col(lambda x: x.sequence_parallel), "mb": col(lambda x: x.micro_batch),
-            "ga": col(lambda x: x.grad_accum), "rc": col(lambda x: RECOMPUTE.index(x.recompute)),
-            "sched": col(lambda x: SCHEDULES.index(x.pp_schedule)),
-            "v": col(lambda x: x.virtual_stages)}
-
-
 def hardware_for(cluster: ClusterConfig) -> GpuSpec:
     return spec_of_cluster(cluster)[0]
 
 
-def flops_per_step(ms: ModelShape, global_batch: float, a: dict[str, np.ndarray],
+def flops_per_step(ms: ModelShape, global_batch: float, a: Columns,
                    sw: Software) -> tuple[float, np.ndarray]:
     """Model FLOPs and executed FLOPs (adding the recomputed forward work) of one step."""
     tokens = global_batch * ms.seq_len
@@ -105,14 +93,14 @@ def estimate(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, lay
     hw = hardware_for(cluster)
     co = coeff or coefficients(cluster)
     sw = software or software_for(train, cluster)
-    a = layout_arrays([layout])
+    a = layout_columns([layout])
     gb = float(layout.global_batch)
     t = evaluate(ms, hw, co, sw, a, gb)
     return _to_estimate(t, ms, hw, sw, a, gb, layout.world_size, 0)
 
 
 def _to_estimate(t: dict[str, np.ndarray], ms: ModelShape, hw: GpuSpec, sw: Software,
-                 a: dict[str, np.ndarray], gb: float, world: int, i: int) -> Estimate:
+                 a: Columns, gb: float, world: int, i: int) -> Estimate:
     model_f, hw_f = flops_per_step(ms, gb, a, sw)
     step = float(t["step_time_s"][i])
     peak = hw.peak_fp32_flops if sw.precision == "fp32" else hw.peak_bf16_flops

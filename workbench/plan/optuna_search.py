@@ -30,10 +30,15 @@ import numpy as np
 import optuna
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
-from workbench.layout import SCHEDULES, Layout
-from workbench.plan.search import MICRO_BATCHES, REASONS, SCHED_V, _reasons, divisors, score
+from workbench.layout import Layout
+from workbench.plan.columns import SCHEDULES, Recompute, Schedule, code, columns
+from workbench.plan.rules import COST_RULES, first_broken, select
+from workbench.plan.search import MICRO_BATCHES, NOT_FIT, SCHED_V, divisors, score
 
-NOT_FIT = len(REASONS) - 1
+# the rules a micro-batch is repaired against (the batch splits into whole micro-batches, and
+# enough of them for the pipeline)
+_BATCH_RULES = select(["global batch not divisible by dp*micro_batch",
+                       "pipeline needs >= pp micro-batches per step"])
 
 
 @dataclass
@@ -54,7 +59,7 @@ class _Space:
     cp: list[int]
     mb: list[int]
     dp_mode: tuple[str, ...] = ("shard", "hybrid", "replicate")
-    sched: tuple[str, ...] = tuple(f"{SCHEDULES[s]}-v{v}" for s, v in SCHED_V)
+    sched: tuple[str, ...] = tuple(f"{s.label}-v{v}" for s, v in SCHED_V)
 
     def suggest(self, trial: optuna.Trial) -> dict:
         p = {k: trial.suggest_int(f"{k}_i", 0, len(getattr(self, k)) - 1)
@@ -92,17 +97,27 @@ class _Space:
         return out
 
 
+def _allowed(model: ModelConfig, column: str, values: list[int]) -> list[int]:
+    """The values of one degree that break no cost rule in a layout of that degree alone (every
+    other degree 1, one GPipe micro-batch, the world size their product)."""
+    one = dict(dpr=1, dps=1, tp=1, pp=1, cp=1, sp=0, mb=1, ga=1, rc=Recompute.NONE,
+               sched=Schedule.GPIPE, v=1)
+    a = columns(**{**one, column: values})
+    keep = first_broken(model, a[column], a, COST_RULES) == 0
+    return [d for d, ok in zip(values, keep) if ok]
+
+
 def _space(model: ModelConfig, world: int) -> _Space:
-    g = math.gcd(math.gcd(model.n_heads, model.n_kv_heads), model.ffn_hidden)
     divs = divisors(world)
-    return _Space(tp=[d for d in divs if g % d == 0],
-                  pp=[d for d in divs if model.n_layers % d == 0],
-                  cp=[d for d in divs if model.seq_len % d == 0 and d <= 32],
+    return _Space(tp=_allowed(model, "tp", divs), pp=_allowed(model, "pp", divs),
+                  cp=_allowed(model, "cp", [d for d in divs if d <= 32]),
                   mb=list(MICRO_BATCHES))
 
 
-def _layout_arrays(sp: _Space, p: dict, world: int, gb: int, gpn: int) -> dict | None:
-    """The layout a trial's parameters stand for, after the obvious repairs (None: no repair)."""
+def _layout_arrays(model: ModelConfig, sp: _Space, p: dict, world: int, gb: int, gpn: int
+                   ) -> dict | None:
+    """The layout a trial's parameters stand for (field -> value, as columns() takes them),
+    after the obvious repairs (None: no repair)."""
     tp, pp = sp.tp[p["tp_i"]], sp.pp[p["pp_i"]]
     cps = [c for c in sp.cp[: p["cp_i"] + 1] if world % (tp * pp * c) == 0]
     if not cps:
@@ -112,13 +127,14 @@ def _layout_arrays(sp: _Space, p: dict, world: int, gb: int, gpn: int) -> dict |
     dps = {"shard": rest, "replicate": 1, "hybrid": math.gcd(rest, max(1, gpn // (tp * cp)))}[
         p["dp_mode"]]
     sched, v = p["sched"].rsplit("-v", 1)
-    s, v = (SCHEDULES.index(sched), int(v)) if pp > 1 else (1, 1)
-    per_mb = rest * (pp if pp > 1 and s > 0 else 1)
-    mbs = [m for m in sp.mb[: p["mb_i"] + 1] if gb % (rest * m) == 0 and gb // (rest * m) >= 1
-           and gb >= per_mb * m]
-    mb = mbs[-1] if mbs else sp.mb[0]
-    return {"dpr": rest // dps, "dps": dps, "tp": tp, "pp": pp, "cp": cp, "mb": mb, "rc": 0,
-            "sp": int(p["sp"] and tp > 1), "sched": s, "v": v}
+    s, v = (code(SCHEDULES, sched), int(v)) if pp > 1 else (Schedule.ONE_F_ONE_B, 1)
+    mbs = np.array(sp.mb[: p["mb_i"] + 1], dtype=np.float64)
+    batch = columns(dpr=rest, dps=1, tp=tp, pp=pp, cp=cp, sp=0, mb=mbs, rc=Recompute.NONE,
+                    sched=s, v=v, ga=gb / (rest * mbs))
+    fits = mbs[first_broken(model, world, batch, _BATCH_RULES) == 0]
+    mb = int(fits[-1]) if len(fits) else sp.mb[0]
+    return {"dpr": rest // dps, "dps": dps, "tp": tp, "pp": pp, "cp": cp, "mb": mb,
+            "rc": int(Recompute.NONE), "sp": int(p["sp"] and tp > 1), "sched": int(s), "v": v}
 
 
 def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
@@ -152,7 +168,7 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
         if k >= n_explore and best[2] is not None:
             fresh = []
             for q in space.neighbours(best[2]):
-                a = _layout_arrays(space, q, world_size, gb, cluster.gpus_per_node)
+                a = _layout_arrays(model, space, q, world_size, gb, cluster.gpus_per_node)
                 if a is not None and tuple(sorted(a.items())) not in cache:
                     fresh.append(q)
             if fresh:
@@ -167,12 +183,12 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
         # memory repair, like the recompute one: shard parameters further only when the sampled
         # data-parallel mode does not fit (replicate -> hybrid -> shard)
         for mode in space.dp_mode[: space.dp_mode.index(p["dp_mode"]) + 1][::-1]:
-            a = _layout_arrays(space, {**p, "dp_mode": mode}, world_size, gb,
+            a = _layout_arrays(model, space, {**p, "dp_mode": mode}, world_size, gb,
                                cluster.gpus_per_node)
             if a is None:
                 break
             value, reason, lay = evaluate(a)
-            if reason != REASONS[NOT_FIT]:
+            if reason != NOT_FIT:
                 break
         if not reason and value > best[0]:
             best = (value, lay, p)
@@ -200,16 +216,11 @@ def _score_lightest(model: ModelConfig, cluster: ClusterConfig, train: TrainConf
                     lowrank: LowRankConfig | None) -> tuple[float, str, Layout | None]:
     """(tokens/s, reason it is infeasible or "", layout) with the lightest recompute that fits."""
     reason = ""
-    for rc in range(3):
-        arr = {k: np.array([float(x)]) for k, x in {**a, "rc": rc}.items()}
-        code = int(_reasons(model, arr, train.global_batch)[0])
-        if code:
-            return 0.0, REASONS[code], None
-        r = score(model, cluster, train, arr, lowrank)
-        code = int(r.reason[0])
-        if code == 0:
+    for rc in Recompute:
+        r = score(model, cluster, train, columns(**{**a, "rc": rc}), lowrank)
+        if r.reason[0] == 0:
             return float(r.tokens_per_s[0]), "", r.layout(0)
-        reason = REASONS[code]
-        if code != NOT_FIT:
+        reason = r.reason_of(0)
+        if reason != NOT_FIT:
             break
     return 0.0, reason, None

@@ -48,10 +48,6 @@ class ModelShape:
     def mean_layer_params(self) -> float:
         return self.mean_layer_matmul_params() + self.other_layer_params
 
-    def total_params(self) -> float:
-        return self.n_layers * self.mean_layer_params() + self.embed_params + self.head_params \
-            + self.hidden
-
     def model_flops_per_token(self) -> float:
         """Forward + backward FLOPs per token without recomputation (PaLM / Megatron MFU count:
         6 per matmul parameter incl. the LM head, plus 12 * layers * seq * q_width)."""

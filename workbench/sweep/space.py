@@ -7,7 +7,6 @@ and exit status 2 instead of a half-launched array.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -206,7 +205,3 @@ def _literal(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-def grid_points(space: Mapping[str, list[Any]]) -> list[tuple[Any, ...]]:
-    return list(itertools.product(*space.values()))

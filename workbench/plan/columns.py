@@ -1,0 +1,97 @@
+"""Layouts as the planner holds them: one numpy column per field, one value per layout.
+
+The search scores hundreds of thousands of layouts at once, so it never builds `Layout` objects
+for them; this module is the one place where a layout's fields become columns (and back), and
+where the recompute and pipeline-schedule names become the codes those columns hold.
+
+Columns (all float64, one value per layout):
+    dpr, dps, tp, pp, cp  parallel degrees (data replicate, data shard, tensor, pipeline, context)
+    sp     1 with sequence parallel, else 0
+    mb     micro-batch (sequences per forward on one data-parallel rank)
+    ga     micro-batches per optimizer step (the planner derives it from the global batch, so it
+           can be fractional there: such a layout breaks a rule)
+    rc     a Recompute code (-1: a name that is none of them)
+    sched  a Schedule code (-1: a name that is none of them)
+    v      virtual pipeline stages per rank
+
+Imports only numpy, so `workbench.layout` (imported by every rank) can use it without pulling in
+the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+Columns = dict[str, np.ndarray]
+
+
+class Recompute(IntEnum):
+    """How much of a layer's forward the backward recomputes (Layout.recompute by `label`)."""
+
+    NONE = 0
+    SELECTIVE = 1
+    FULL = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Schedule(IntEnum):
+    """Pipeline schedule (Layout.pp_schedule by `label`)."""
+
+    GPIPE = 0
+    ONE_F_ONE_B = 1
+    INTERLEAVED_1F1B = 2
+
+    @property
+    def label(self) -> str:
+        return ("gpipe", "1f1b", "interleaved_1f1b")[self]
+
+
+RECOMPUTE: tuple[str, ...] = tuple(r.label for r in Recompute)
+SCHEDULES: tuple[str, ...] = tuple(s.label for s in Schedule)
+
+
+def code(choices: tuple[str, ...], label: str) -> int:
+    """The column code of a recompute or schedule name; -1 for a name that is none of them (a
+    rule rejects it, naming the valid ones)."""
+    return choices.index(label) if label in choices else -1
+
+
+def columns(*, dpr: Any, dps: Any, tp: Any, pp: Any, cp: Any, sp: Any, mb: Any, rc: Any,
+            sched: Any, v: Any, ga: Any = None) -> Columns:
+    """The column dict of layouts given field by field (arrays of one length, or scalars that
+    every layout shares); contiguous float64, since the search runs dozens of whole-column
+    operations on them."""
+    given = {"dpr": dpr, "dps": dps, "tp": tp, "pp": pp, "cp": cp, "sp": sp, "mb": mb,
+             "rc": rc, "sched": sched, "v": v}
+    if ga is not None:
+        given["ga"] = ga
+    cols = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64).reshape(-1)
+                                 for x in given.values()))
+    return {k: np.ascontiguousarray(x) for k, x in zip(given, cols)}
+
+
+def layout_columns(layouts: Iterable[Any]) -> Columns:
+    """Columns of `Layout`s (anything with Layout's fields), in the order given."""
+    rows = [(x.dp_replicate, x.dp_shard, x.tp, x.pp, x.cp, x.sequence_parallel, x.micro_batch,
+             code(RECOMPUTE, x.recompute), code(SCHEDULES, x.pp_schedule), x.virtual_stages,
+             x.grad_accum) for x in layouts]
+    t = np.array(rows, dtype=np.float64).reshape(len(rows), 11).T
+    return columns(dpr=t[0], dps=t[1], tp=t[2], pp=t[3], cp=t[4], sp=t[5], mb=t[6], rc=t[7],
+                   sched=t[8], v=t[9], ga=t[10])
+
+
+def layout_fields(a: Columns, i: int) -> dict[str, Any]:
+    """The `Layout` keyword arguments of row i (the inverse of layout_columns)."""
+    return {"dp_replicate": int(a["dpr"][i]), "dp_shard": int(a["dps"][i]), "tp": int(a["tp"][i]),
+            "pp": int(a["pp"][i]), "cp": int(a["cp"][i]), "sequence_parallel": bool(a["sp"][i]),
+            "micro_batch": int(a["mb"][i]), "grad_accum": int(a["ga"][i]),
+            "recompute": Recompute(int(a["rc"][i])).label,
+            "pp_schedule": Schedule(int(a["sched"][i])).label,
+            "virtual_stages": int(a["v"][i])}

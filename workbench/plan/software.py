@@ -1,0 +1,64 @@
+"""What the training stack does, as far as cost goes: the facts of a code base the cost model
+needs beside the model, the hardware and the coefficients (workbench.plan.costmodel.software_for
+gives this repository's; plan/validate.py reads published stacks' from their notes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Software:
+    """What the training stack does, as far as cost goes (not a coefficient: a fact of the code).
+
+    precision: fp32 | bf16 | fp16 | fp8 (fp8 = FP8 linears, BF16 elsewhere).
+    flash_attention: fused attention (no s*s tensors stored or moved); Megatron 2021 had none.
+    dropout: dropout masks are stored (GPT-era Megatron); Llama recipes train without dropout.
+    overlap_dp: gradient reduction / FSDP gathers are overlapped with compute.
+    grad_reduce_bytes: bytes per gradient element on the wire (fp32 reduce = 4, fp16 = 2).
+    Parameters are sharded over dp_shard x cp (context-parallel ranks hold the same weights and
+    reduce their gradients together, as torchtitan's dp_shard_cp mesh does).
+    """
+
+    precision: str = "bf16"
+    flash_attention: bool = True
+    dropout: bool = False
+    overlap_dp: bool = True
+    grad_reduce_bytes: float = 4.0
+    overlap_tp: bool = False  # Megatron --tp-comm-overlap (TE userbuffers)
+    async_tp: bool = False  # torchtitan async TP (SymmetricMemory micro-pipelining)
+    # Megatron distributed optimizer with --overlap-param-gather: gradients reduce-scattered
+    # (overlapping the last backward), parameters all-gathered in 16 bit (overlapping the next
+    # forward) instead of one all-reduce.
+    dist_optimizer: bool = False
+    compiled: bool = False  # torch.compile / fused kernels: fewer elementwise HBM round trips
+    # PyTorch eager elementwise ops (one kernel per op, FP32 upcasts in norms/RoPE); False: the
+    # fused kernels of Megatron/Transformer Engine (or compiled, see above).
+    eager: bool = False
+    # FP8 scaling granularity (torchao): "tensorwise" (one scale per tensor; the producer's
+    # kernel fuses amax and cast, and TP all-gathers travel in FP8) or "rowwise" (one scale per
+    # row: separate amax/cast kernels per operand and axis, TP all-gathers stay in BF16).
+    fp8_scaling: str = "tensorwise"
+    # Which implementation shards parameters over dp_shard: "fsdp" (PyTorch FSDP/FSDP2,
+    # Megatron distributed optimizer: bucketed NCCL collectives over all NICs of a node, prefetch
+    # one block ahead) or "deepspeed_zero3" (DeepSpeed ZeRO-3 as of 2021: flat per-parameter
+    # gathers, see Coefficients.zero3_gather_eff).
+    dp_stack: str = "fsdp"
+    # Context parallel shards the sequence in 2*cp chunks, chunk i paired with 2*cp-1-i, so every
+    # rank does the same causal work (torchtitan / Megatron-Core default); False: naive ring.
+    cp_load_balance: bool = True
+    # Context parallel by one all-gather of K/V per layer (Llama 3; this repository's engine,
+    # train/context.py) instead of a ring: attention is one kernel over the whole sequence, the
+    # gather (forward) and reduce-scatter of dK/dV (backward) are not overlapped, and the
+    # gathered K/V of the other cp ranks stay stored for the backward.
+    cp_allgather: bool = False
+    # Activations laid out (batch, seq, hidden) with sequence parallel sharding dim 1
+    # (torchtitan, this engine) rather than Megatron's sequence-first layout: with more than one
+    # sequence per micro-batch, each all-gather's output and each reduce-scatter's input is
+    # re-laid out by a full copy (torch.distributed._functional_collectives chunk + cat), unless
+    # async TP's fused all-gather/reduce-scatter matmuls move the shards themselves.
+    batch_first_sp: bool = False
+
+    @property
+    def act_bytes(self) -> float:
+        return 4.0 if self.precision == "fp32" else 2.0
