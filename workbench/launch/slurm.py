@@ -25,7 +25,7 @@ import submitit
 
 from workbench.config import ConfigError, LauncherConfig, TrackingConfig
 from workbench.job import Job
-from workbench.launch import world_size
+from workbench.launch.world import world_size
 
 # How many times a job may hit its time limit and requeue itself. Slurm checks limits on a ~30 s
 # tick, so a short job can be signalled several times; a site job rarely needs more than a few.

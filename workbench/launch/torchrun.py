@@ -17,7 +17,7 @@ from typing import Dict, List
 
 from workbench.config import LauncherConfig
 from workbench.job import Job
-from workbench.launch import RanksFailed, world_size
+from workbench.launch.world import RanksFailed, world_size
 
 
 def command(nproc_per_node: int, job_path: Path | str) -> List[str]:
