@@ -68,26 +68,13 @@ def open_study(path: Path, name: str, directions: Sequence[str], sampler: Any = 
 class SweepState:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
+        self.plan_path = self.folder / "plan.json"
+        self.trials_path = self.folder / "trials.json"
+        self.study_path = self.folder / "study.log"  # Optuna journal storage
+        self.rejected_path = self.folder / "rejected.json"
         self.trials: dict[int, TrialRecord] = {}
         self.plan: dict[str, Any] = {}
         self._lock_fd: int | None = None
-
-    # ------------------------------------------------------------------ files
-    @property
-    def plan_path(self) -> Path:
-        return self.folder / "plan.json"
-
-    @property
-    def trials_path(self) -> Path:
-        return self.folder / "trials.json"
-
-    @property
-    def study_path(self) -> Path:
-        return self.folder / "study.log"
-
-    @property
-    def rejected_path(self) -> Path:
-        return self.folder / "rejected.json"
 
     def exists(self) -> bool:
         return self.plan_path.exists()
