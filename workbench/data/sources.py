@@ -31,6 +31,7 @@ def _datasets() -> Any:
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # errors end as one line of ours
     return datasets
 
 
