@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import FAST, cli, only_run
+
 from workbench.config import ConfigError, DataConfig
 from workbench.data.corpus import resolve_vocab
 from workbench.data.mixture import build_mixture

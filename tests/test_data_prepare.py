@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import cli
+
 from workbench.cli import InputError
 from workbench.data.corpus import open_tokens
 from workbench.data.prepare import prepare

@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 
 from workbench.config import ConfigError, DataConfig
-from workbench.data.corpus import TokenData, batch_offsets, cache_root, gather, open_tokens
 from workbench.data.shards import atomic_write
+from workbench.data.tokens import TokenData, batch_offsets, cache_root, gather, open_corpus
 
 STREAM_SOURCE, STREAM_OFFSET = 2, 3  # generator streams distinct from batch_offsets' 0 and 1
 
@@ -99,7 +99,7 @@ def _open_source(cfg: DataConfig, name: str, spec: str) -> TokenData:
 
         return part_tokens(cfg, spec[len("stdlib:"):])
     try:
-        data = open_tokens(Path(spec))
+        data = open_corpus(Path(spec))
     except FileNotFoundError as e:
         raise ConfigError(f"data.sources.{name}", spec, str(e).split(": ", 1)[-1]) from None
     if not isinstance(data, TokenData):
@@ -132,7 +132,7 @@ def build_mixture(cfg: DataConfig) -> Mixture:
 
 def open_mixture(folder: Path) -> Mixture:
     spec = json.loads((Path(folder) / "mixture.json").read_text())
-    sources = tuple(open_tokens(Path(f)) for f in spec["folders"])
+    sources = tuple(open_corpus(Path(f)) for f in spec["folders"])
     for d, fp in zip(sources, spec["fingerprints"]):
         if d.fingerprint != fp:
             raise FileNotFoundError(f"data: source {str(d.folder)!r} changed since the mixture "

@@ -12,7 +12,6 @@ meta.json until every shard is whole.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import time
 from pathlib import Path

@@ -20,7 +20,7 @@ from typing import Iterator, List, Tuple
 from workbench.config import ConfigError, DataConfig
 from workbench.data import shards
 from workbench.data import tokenizer as toks
-from workbench.data.corpus import TokenData, cache_root, open_tokens, write_shards
+from workbench.data.tokens import TokenData, cache_root, open_corpus, write_shards
 
 PARTS = ("all", "tests", "modules", "docs")
 SKIP = {"site-packages", "dist-packages", "__pycache__", "idlelib"}
@@ -101,7 +101,7 @@ def part_tokens(cfg: DataConfig, part: str) -> TokenData:
                   "fingerprint": tag}
         shards.write(documents(part, cfg.max_bytes), out, tok, source, cfg.val_frac,
                      progress=False)
-    return open_tokens(out)
+    return open_corpus(out)
 
 
 def stdlib_tokens(cfg: DataConfig) -> TokenData:
@@ -113,7 +113,7 @@ def stdlib_tokens(cfg: DataConfig) -> TokenData:
     tag = hashlib.sha256(f"bytes-v1|{sys.version}|{root}|{cfg.max_bytes}|{cfg.val_frac}".encode())
     out = cache_root(cfg) / f"stdlib-{tag.hexdigest()[:16]}"
     if (out / "meta.json").exists():
-        return open_tokens(out)
+        return open_corpus(out)
     files = [p for p in root.rglob("*.py")
              if not (SKIP | {"test", "tests"}).intersection(p.relative_to(root).parts)]
     files.sort(key=lambda p: str(p.relative_to(root)))

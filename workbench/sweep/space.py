@@ -8,8 +8,8 @@ and exit status 2 instead of a half-launched array.
 from __future__ import annotations
 
 import itertools
-import typing
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -122,6 +122,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _schema_default(key: str) -> Any:
     node: Any = RunConfig()
     parent: Any = None
+    name = ""
     for i, part in enumerate(key.split(".")):
         if isinstance(node, dict):  # a map keyed by the user's names: searchable if of floats
             value_type = typing.get_args(typing.get_type_hints(type(parent)).get(name))[1:]
