@@ -106,3 +106,24 @@ def test_mixture_report_fits_weights_to_loss(tmp_path):
              **{f"val_loss/{n}": li for n in "abc"}} for i, (wi, li) in enumerate(zip(w, loss))]
     out = write(["a", "b", "c"], rows, tmp_path / "r")
     assert (tmp_path / "r" / "fit.png").stat().st_size > 0 and "Best predicted" in out["markdown"]
+
+
+@pytest.mark.slow
+def test_data_mixture_sweep_attaches_the_report_to_the_parent(workdir):
+    """The recipe, reduced (3 trials of 10 steps on 300 kB per source), end to end."""
+    import mlflow
+
+    out = cli("workbench.run", ["+sweep=data_mixture", "sweep.n_trials=3", "train.steps=10",
+                                "train.eval_every=5", "train.global_batch=8",
+                                "train.micro_batch=8", "data.max_bytes=300000"], workdir)
+    assert out.returncode == 0, out.stderr
+    assert "Best predicted mixture" in out.stdout
+    c = mlflow.MlflowClient()
+    runs = c.search_runs([c.get_experiment_by_name("workbench").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and len(runs) == 4
+    files = {a.path for a in c.list_artifacts(parents[0].info.run_id, "report")}
+    assert {"report/report.md", "report/report.json", "report/fit.png"} <= files
+    children = [r for r in runs if r is not parents[0]]
+    assert all({"val_loss/tests", "val_loss/modules", "val_loss/docs"} <= set(r.data.metrics)
+               for r in children)
