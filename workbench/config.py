@@ -105,11 +105,20 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib | tokens
-    path: str = ""  # tokens: folder with train.bin/val.bin + meta.json
+    name: str = "stdlib"  # stdlib | tokens (presets: stdlib, stdlib_bpe, tokens)
+    path: str = ""  # tokens: folder made by python -m workbench.data.prepare
     cache_dir: str = ""  # empty: $WORKBENCH_CACHE or ~/.cache/workbench
-    max_bytes: int = 8_000_000  # stdlib: bytes of source text to use
+    max_bytes: int = 8_000_000  # stdlib: bytes of source text to use (per part for sources)
     val_frac: float = 0.05
+    # The embedded corpus' tokenizer: bytes (vocab 256) | bpe:N (a byte-level BPE trained on it
+    # at first use, cached) | a tokenizer.json. Shards from prepare carry their own.
+    tokenizer: str = "bytes"
+    # A mixture: source name -> a prepared folder or stdlib:tests|modules|docs|all. Each step's
+    # sequences are drawn by `weights` (missing: equal); validation loss is logged per source
+    # and for `target` (missing: the training weights) as val_loss.
+    sources: Dict[str, str] = field(default_factory=dict)
+    weights: Dict[str, float] = field(default_factory=dict)
+    target: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -213,6 +222,24 @@ def _positive(cfg: RunConfig, keys: List[str]) -> None:
             raise ConfigError(key, value, "must be > 0")
 
 
+def _validate_mixture(d: DataConfig) -> None:
+    """Weights name sources and sum to a positive number (a mixture must draw something)."""
+    for key in ("weights", "target"):
+        weights = getattr(d, key)
+        for name, w in weights.items():
+            if name not in d.sources:
+                raise ConfigError(f"data.{key}.{name}", w,
+                                  f"names no source; sources: {', '.join(d.sources) or 'none'}")
+            if not w >= 0 or w == float("inf"):
+                raise ConfigError(f"data.{key}.{name}", w, "must be a finite number >= 0")
+        if weights and not sum(weights.values()) > 0:
+            raise ConfigError(f"data.{key}", dict(weights), "must sum to a positive number")
+    for name, path in d.sources.items():
+        if not path:
+            raise ConfigError(f"data.sources.{name}", path,
+                              "a folder made by python -m workbench.data.prepare or stdlib:PART")
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field rules of a run config; raises ConfigError naming the first bad key."""
     for key, valid in CHOICES.items():
@@ -248,7 +275,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("train.threads", t.threads, "must be >= 0 (0 = torch default)")
     if not 0.0 < cfg.data.val_frac < 0.5:
         raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
-    if cfg.data.name == "tokens" and not cfg.data.path:
+    _validate_mixture(cfg.data)
+    if cfg.data.name == "tokens" and not cfg.data.path and not cfg.data.sources:
         raise ConfigError("data.path", cfg.data.path,
                           "data=tokens needs a folder made by python -m workbench.data.prepare")
     if cfg.launcher.nproc_per_node <= 0 or cfg.launcher.nodes <= 0:

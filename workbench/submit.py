@@ -20,6 +20,7 @@ from workbench import layout as layouts
 from workbench.cli import compose
 from workbench.config import ConfigError, RunConfig
 from workbench.data.corpus import load as load_data
+from workbench.data.corpus import resolve_vocab
 from workbench.job import JOB_NAME, Job, config_dict, flat_params
 from workbench.launch import make_launcher, world_size
 from workbench.places import runs_root
@@ -51,20 +52,20 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
                 parent_run_id: Optional[str] = None) -> Job:
     """Validate everything, then record the run (params, tags, manifest) and write its job
     file. Nothing is recorded before the config and layout are known to be valid."""
-    layout = choose_layout(cfg, world_size)
     data = load_data(cfg.data)
-    if data.vocab > cfg.model.vocab:
-        raise ConfigError("model.vocab", cfg.model.vocab,
-                          f"must be >= the data's vocabulary ({data.vocab})")
+    cfg.model.vocab = resolve_vocab(cfg.model.vocab, data, overrides)  # the tokenizer's size
+    layout = choose_layout(cfg, world_size)
     run_dir = new_run_dir(cfg).resolve()
     resolved = config_dict(cfg)
     resolved["train"]["run_dir"] = str(run_dir)
     resolved["train"]["micro_batch"] = layout.micro_batch  # 0 (auto) is logged as resolved
     config_yaml = OmegaConf.to_yaml(resolved)
     manifest = manifests.build(config_yaml, overrides, cfg.train.seed, data.fingerprint)
+    manifest["tokenizer_hash"] = data.tokenizer_hash
     tags = {**manifests.tags(manifest), "wb.layout": layout.key(),
             "wb.model": cfg.model.name, "wb.cluster": cfg.cluster.name,
             "wb.launcher": cfg.launcher.name, "wb.run_dir": str(run_dir),
+            "wb.tokenizer_hash": data.tokenizer_hash[:16],
             **(extra_tags or {})}
     run_name = f"{cfg.model.name}-{layout.key()}-s{cfg.train.seed}"
     if cfg.lowrank.mode != "off":  # runs compared side by side need telling apart

@@ -311,6 +311,10 @@ def run(sw: Sweep) -> int:
             from workbench.sweep.lowrank import finish as lowrank_finish
 
             lowrank_finish(sw)
+        if "weights" in sw.sweep.space.get("data", {}):  # mixtures: the fitted weights -> loss
+            from workbench.sweep.mixture import finish as mixture_finish
+
+            mixture_finish(sw)
         report.update_parent(sw.state, sw.uri, sw.objectives, finished=True)
         print(report.table(sw.state, sw.objectives))
         return 0

@@ -8,6 +8,7 @@ and exit status 2 instead of a half-launched array.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -119,10 +120,16 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _schema_default(key: str) -> Any:
     node: Any = RunConfig()
-    for part in key.split("."):
-        if not hasattr(node, part) or isinstance(node, dict):
+    parent: Any = None
+    name = ""
+    for i, part in enumerate(key.split(".")):
+        if isinstance(node, dict):  # a map keyed by the user's names: searchable if of floats
+            value_type = typing.get_args(typing.get_type_hints(type(parent)).get(name))[1:]
+            last = i == len(key.split(".")) - 1
+            return 0.0 if value_type == (float,) and last else KeyError(key)
+        if not hasattr(node, part):
             return KeyError(key)
-        node = getattr(node, part)
+        parent, name, node = node, part, getattr(node, part)
     return node
 
 

@@ -13,11 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
-import numpy as np
 import torch
 
 from workbench.config import RunConfig
-from workbench.data.corpus import TokenData, batch_offsets, gather
+from workbench.data.corpus import TokenData
 from workbench.layout import Layout
 from workbench.track.tracker import Tracker
 from workbench.train.checkpoint import CheckpointDir, rng_state, set_rng_state
@@ -102,30 +101,31 @@ class LoopContext:
     lowrank: Optional[Any] = None
 
 
-def micro_batches(ctx: LoopContext, tokens: np.ndarray, split: str, step: int,
-                  count: int) -> List[Batch]:
+def micro_batches(ctx: LoopContext, split: str, step: int, count: int) -> List[Batch]:
     """This data-parallel rank's share of the step's global batch, as micro-batches."""
     seq = ctx.cfg.model.seq_len
-    offsets = batch_offsets(ctx.cfg.train.seed, split, step, count, tokens.shape[0], seq)
+    rows = ctx.data.offsets(ctx.cfg.train.seed, split, step, count, seq)
     share = count // ctx.engine.dp_size
-    mine = offsets[ctx.engine.dp_rank * share:(ctx.engine.dp_rank + 1) * share]
+    mine = rows[ctx.engine.dp_rank * share:(ctx.engine.dp_rank + 1) * share]
     mb = min(ctx.layout.micro_batch, share)
     out = []
     for i in range(0, share, mb):
-        x, y = gather(tokens, mine[i:i + mb], seq)
+        x, y = ctx.data.gather(split, mine[i:i + mb], seq)
         out.append((torch.from_numpy(x).to(ctx.engine.device),
                     torch.from_numpy(y).to(ctx.engine.device)))
     return out
 
 
-def evaluate(ctx: LoopContext, val: np.ndarray) -> float:
-    """Mean loss over a fixed set of validation sequences (the same at every evaluation)."""
+def evaluate(ctx: LoopContext) -> Dict[str, float]:
+    """Mean loss over a fixed set of validation sequences (the same at every evaluation), per
+    source and for the target mixture when the data is a mixture (workbench.data.mixture)."""
     t = ctx.cfg.train
     # The same sequences for every layout (when eval_batches is a multiple of dp), split
     # across data-parallel ranks; rounded up to whole micro-batches on every rank otherwise.
     per = ctx.layout.micro_batch * ctx.engine.dp_size
     count = -(-t.eval_batches * ctx.layout.micro_batch // per) * per
-    return ctx.engine.eval_loss(micro_batches(ctx, val, "val", 0, count))
+    return ctx.data.val_losses(
+        lambda split: ctx.engine.eval_loss(micro_batches(ctx, split, 0, count)))
 
 
 def resume(ctx: LoopContext, optimizer: torch.optim.Optimizer) -> int:
@@ -159,7 +159,6 @@ def save(ctx: LoopContext, optimizer: torch.optim.Optimizer, next_step: int) -> 
 def train(ctx: LoopContext) -> Dict[str, float]:
     """Run steps [resume point, train.steps); returns the last metrics."""
     cfg, t = ctx.cfg, ctx.cfg.train
-    train_tok, val_tok = ctx.data.train.array(), ctx.data.val.array()
     lowrank = ctx.lowrank
     if lowrank is not None:  # restores its state (factorized shapes) before the optimizer
         lowrank.prepare(ctx.ckpt)
@@ -176,18 +175,18 @@ def train(ctx: LoopContext) -> Dict[str, float]:
 
     def log(metrics: Dict[str, float], step: int) -> None:
         # A resumed run recomputes steps after its checkpoint bitwise; skip those recorded.
-        key = "val_loss" if "val_loss" in metrics and len(metrics) == 1 else "loss"
+        key = "val_loss" if "val_loss" in metrics and "loss" not in metrics else "loss"
         if step > logged[key]:
             ctx.tracker.log_metrics(metrics, step)
 
     for step in range(start, t.steps):
         if step % t.eval_every == 0:
-            log({"val_loss": evaluate(ctx, val_tok)}, step)
+            log(evaluate(ctx), step)
         lr = lr_at(step, cfg) * (lowrank.lr_factor(step) if lowrank is not None else 1.0)
         for group in optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
-        batch = micro_batches(ctx, train_tok, "train", step, t.global_batch)
+        batch = micro_batches(ctx, "train", step, t.global_batch)
         loss = ctx.engine.train_step(batch)
         grad_norm = ctx.engine.clip_grad_norm(t.grad_clip) if t.grad_clip > 0 else 0.0
         optimizer.step()
@@ -214,8 +213,9 @@ def train(ctx: LoopContext) -> Dict[str, float]:
             ctx.on_step(step, last)
         if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps:
             if step + 1 == t.steps:
-                last["val_loss"] = evaluate(ctx, val_tok)
-                log({"val_loss": last["val_loss"]}, step + 1)
+                vals = evaluate(ctx)
+                last.update(vals)
+                log(vals, step + 1)
             save(ctx, optimizer, step + 1)
         elif ctx.stop_requested is not None and ctx.engine.any_rank(ctx.stop_requested()):
             save(ctx, optimizer, step + 1)
