@@ -10,7 +10,6 @@ batch), the windows at those offsets, and validation losses. `TokenData` is one 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
+from workbench import places
 from workbench.config import DataConfig
 from workbench.data.shards import atomic_write
 from workbench.data.tokenizer import bytes_tokenizer
@@ -102,10 +102,7 @@ class TokenData:
 
 
 def cache_root(cfg: DataConfig) -> Path:
-    if cfg.cache_dir:
-        return Path(cfg.cache_dir)
-    env = os.environ.get("WORKBENCH_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "workbench"
+    return places.cache_root(cfg.cache_dir)
 
 
 def write_shards(texts, out: Path, val_frac: float, max_bytes: int, source: str) -> TokenData:
