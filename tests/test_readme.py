@@ -1,8 +1,8 @@
 """The README is a contract: every fenced ```bash block in it runs here, as a user would type it.
 
 A block runs as one bash script (top to bottom, `set -e`) in a fresh folder laid out like a
-clone (benchmarks/ and slurm/ linked from the repository, ../shared beside it), with this
-test's MLflow store and corpus cache. At CPU scale: `python -m workbench.run` gets a few steps,
+clone (benchmarks/ and slurm/ linked from the repository, ../shared beside it), writing its
+MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus cache. At CPU scale: `python -m workbench.run` gets a few steps,
 benchmarks get their smallest arguments (`SMALL` below); nothing else is changed. A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
 
@@ -73,13 +73,24 @@ def blocks(text: str) -> list[Block]:
 
 
 def _commands(body: list[str]) -> list[str]:
-    cmds, cur = [], ""
+    """Commands of a block: continuation lines joined, a here-document kept whole."""
+    cmds, cur, heredoc = [], "", None
     for raw in body:
         line = raw.rstrip()
+        if heredoc is not None:
+            cur += "\n" + line
+            if line.strip() == heredoc:
+                cmds.append(cur)
+                cur, heredoc = "", None
+            continue
         if line.endswith("\\"):
             cur += line[:-1] + " "
             continue
         cur += line
+        m = re.search(r"<<-?\s*'?(\w+)'?", cur)
+        if m:
+            heredoc = m.group(1)
+            continue
         if cur.strip() and not cur.strip().startswith("#"):
             cmds.append(cur.strip())
         cur = ""
@@ -88,12 +99,14 @@ def _commands(body: list[str]) -> list[str]:
 
 def scaled(cmd: str) -> str:
     """The command at CPU scale; a trailing comment is dropped."""
+    if "\n" in cmd:  # a here-document runs as written
+        return cmd
     words = shlex.split(cmd, comments=True)
     if words[:3] == ["python", "-m", "workbench.run"]:
         small = SWEEP_SMALL if any(w.lstrip("+").startswith("sweep=") for w in words) \
             else RUN_SMALL
-        if not any(w.startswith("data") for w in words):
-            small = small + STDLIB_SMALL
+        if not any(w.startswith(("data=tokens", "data.path", "data.max_bytes")) for w in words):
+            small = small + STDLIB_SMALL  # the embedded corpus (and its BPE), at test size
         keys = {s.split("=")[0] for s in small}
         words = [w for w in words if w.split("=")[0] not in keys] + small
     elif len(words) >= 2 and words[0] == "python" and words[1] in SMALL:
@@ -165,7 +178,9 @@ def test_readme_block_runs(block: Block, clone: Path):
         return
     cmds = [_install_tail(c) for c in block.commands] if "install" in block.tags \
         else [scaled(c) for c in block.commands]
-    script = "set -euo pipefail\n" + "\n".join(f"echo '+ {c}' >&2\n{c}" for c in cmds) + "\n"
+    script = "set -euo pipefail\n" + "\n".join(
+        f"echo {shlex.quote('+ ' + c.splitlines()[0])} >&2\n{c}" for c in cmds) + "\n"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # ./mlflow.db
     proc = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True,
-                          timeout=1500, env=os.environ.copy())
+                          timeout=1500, env=env)
     assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"

@@ -30,9 +30,16 @@ def _typed(schema: type, params: dict[str, str], prefix: str):
               if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1:]}
     base = OmegaConf.structured(schema)
     names = {f.name for f in fields(schema)}
-    known = {k: v for k, v in values.items() if k in names and v not in ("None", "")}
+    known = {k: _container(v) for k, v in values.items() if k in names and v not in ("None", "")}
     merged = OmegaConf.merge(base, {k: None if v == "null" else v for k, v in known.items()})
     return OmegaConf.to_object(merged)
+
+
+def _container(value: str):
+    """MLflow keeps a param as its str(); a dict or list field (cluster.coeff) is read back."""
+    import yaml
+
+    return yaml.safe_load(value) if value.startswith(("{", "[")) else value
 
 
 def _measured(client, run_id: str) -> float | None:
@@ -41,6 +48,15 @@ def _measured(client, run_id: str) -> float | None:
     if len(values) > 1:
         values = values[1:]
     return statistics.median(values) if values else None
+
+
+def _accelerator(name: str) -> str:
+    """A known GPU by its datasheet name (loose spellings agree); any other accelerator, a CPU
+    cluster's `cpu` say, by its own name: its figures come from the cluster YAML."""
+    try:
+        return match_gpu(name).name
+    except KeyError:
+        return name.strip().lower()
 
 
 def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
@@ -67,7 +83,6 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
     except Exception as e:
         raise InputError(f"--mlflow-uri {uri}: cannot read runs ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]})") from None
-    want = match_gpu(cluster.gpu).name
     cases, skipped = [], []
     for run in runs:
         rid, params = run.info.run_id, run.data.params
@@ -76,7 +91,7 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
             continue
         try:
             gpu = params.get("cluster.gpu", cluster.gpu)
-            if match_gpu(gpu).name != want:
+            if _accelerator(gpu) != _accelerator(cluster.gpu):
                 skipped.append(f"{rid}: GPU {gpu} is not {cluster.gpu}")
                 continue
             model = _typed(ModelConfig, params, "model")
