@@ -58,7 +58,7 @@ def main(argv: List[str]) -> int:
         return 1
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from workbench.train.loop import make_optimizer
+    from workbench.train.optimizer import make_optimizer
     from workbench.train.model import build, cross_entropy, flops_per_token, n_params
 
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench.cli import compose
-from workbench.train.engine import apply_recompute
+from workbench.train.parallel.recompute import apply_recompute
 from workbench.train.model import build, cross_entropy
 
 
