@@ -44,7 +44,6 @@ class Case:
     fingerprint: bool = False
     train: bool = True  # False: only resume from ckpt_dir (then fingerprint)
     keep_up_to_step: Optional[int] = None  # first delete checkpoints after this step
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 class _NoCheckpoints:
@@ -68,6 +67,11 @@ def weight_fingerprint(named: Dict[str, torch.Tensor]) -> Dict[str, str]:
     """sha256 of each full tensor's bytes: equal fingerprints mean bitwise-equal weights."""
     return {k: hashlib.sha256(v.detach().float().contiguous().cpu().numpy().tobytes())
             .hexdigest() for k, v in named.items()}
+
+
+def param_dtypes(engine: Any) -> List[str]:
+    """The dtypes the engine keeps its parameters in (bf16 compute keeps fp32 masters)."""
+    return sorted({str(p.dtype) for p in engine.parameters()})
 
 
 def _record(history: List[Dict[str, float]]):
@@ -94,7 +98,7 @@ def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
                            on_step=_record(history),
                            hooks=make_hooks(cfg, engine, NullTracker(), ""))
     last = loop.train(ctx)
-    return {"history": history, "last": last,
+    return {"history": history, "last": last, "param_dtypes": param_dtypes(engine),
             "weights": weight_fingerprint(dict(engine.view.state_dict()))}
 
 
@@ -117,7 +121,8 @@ def _run_case(case: Case, data: TokenData, rank: int, world_size: int,
                            peak_flops_per_device=cfg.cluster.peak_fp32_flops,
                            world_size=world_size, on_step=_record(history),
                            hooks=make_hooks(cfg, engine, NullTracker(), ""))
-    out: Dict[str, Any] = {"is_main": engine.is_main, "history": history}
+    out: Dict[str, Any] = {"is_main": engine.is_main, "history": history,
+                           "param_dtypes": param_dtypes(engine)}
     if case.train:
         out["last"] = {k: float(v) for k, v in loop.train(ctx).items()}
     else:
