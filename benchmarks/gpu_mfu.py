@@ -58,8 +58,8 @@ def main(argv: List[str]) -> int:
         return 1
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from workbench.train.loop import make_optimizer
     from workbench.train.model import build, cross_entropy, flops_per_token, n_params
+    from workbench.train.optimizer import make_optimizer
 
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda", 0)

@@ -28,8 +28,8 @@ from workbench.job import Job
 from workbench.run import prepare_job
 from workbench.track.tracker import make_tracker
 from workbench.train import loop
-from workbench.train.checkpoint import CheckpointDir
-from workbench.train.engine import LocalEngine
+from workbench.train.checkpoint.whole import CheckpointDir
+from workbench.train.engine.local import LocalEngine
 from workbench.train.model import build, cross_entropy, flops_per_token
 
 WARMUP = 5

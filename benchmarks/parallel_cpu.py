@@ -3,7 +3,7 @@ single-process run of the same model and global batch.
 
     python benchmarks/parallel_cpu.py [--steps 10] [--global-batch 16] [--json out.json]
 
-All layouts run inside one spawned 2-rank group (workbench.train.multirank), one intra-op
+All layouts run inside one spawned 2-rank group (workbench.testing.multirank), one intra-op
 thread per rank, so the two ranks share the cores the single process uses with 2 threads.
 Times are medians over the steps after the first (which pays for lazy initialisation).
 Loss error is the largest relative difference of per-step losses from the single run.
@@ -22,7 +22,7 @@ from typing import Dict, List
 from workbench import layout as layouts
 from workbench.cli import compose
 from workbench.data.corpus import load as load_data
-from workbench.train.multirank import Case, run_cases, run_single
+from workbench.testing.multirank import Case, run_cases, run_single
 
 LAYOUTS: Dict[str, List[str]] = {
     "ddp": ["layout=ddp"],

@@ -1,5 +1,5 @@
-"""Context parallelism (train/context.py): the head-tail split gives every cp rank the sequence
-once and the same causal work; a GPT-2-family model (learned positions, tied embeddings) and a
+"""Context parallelism (train/parallel/context.py): the head-tail split gives every cp rank the
+sequence once and the same causal work; a GPT-2-family model (learned positions, tied embeddings) and a
 grouped-query model train under cp=2 with the single-process losses. The Llama-family cases at
 2 and 4 ranks are in test_parallel.py and test_parallel_4ranks.py."""
 
@@ -12,7 +12,7 @@ from test_parallel import assert_matches_single_process, reference, run_matrix
 from workbench.cli import compose
 from workbench.config import ConfigError
 from workbench.layout import Layout, validate
-from workbench.train.context import cp_positions
+from workbench.train.parallel.context import cp_positions
 
 GPT2 = ["model.family=gpt2", "model.bias=true", "model.tie_embeddings=true", "train.steps=2"]
 GQA = ["model.n_kv_heads=2", "train.steps=2"]  # 4 query heads share 2 K/V heads

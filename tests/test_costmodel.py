@@ -159,7 +159,7 @@ def test_ring_attention_costs_imbalance_and_short_chunks(cp: int) -> None:
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from([2, 4, 8]))
 def test_allgather_context_parallel_as_this_engine_runs_it(cp: int) -> None:
-    """The engine's cp (train/context.py): one attention kernel, an exposed K/V all-gather
+    """The engine's cp (train/parallel/context.py): one attention kernel, an exposed K/V all-gather
     and reduce-scatter, and the other ranks' K/V stored per layer; the ring hides its
     exchange behind attention but pays per-chunk kernels."""
     from workbench.plan.terms import Software

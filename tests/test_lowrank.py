@@ -11,14 +11,15 @@ import torch
 from torch import nn
 
 from workbench.config import LowRankConfig, ModelConfig
-from workbench.train import lowrank as L
-from workbench.train.switch import SwitchDetector, should_switch
+from workbench.lowrank import factorize as F
+from workbench.lowrank import ranks as R
+from workbench.lowrank.detector import SwitchDetector, should_switch
 
 
 def test_svd_conversion_is_exact_at_full_rank():
     torch.manual_seed(0)
     lin = nn.Linear(48, 32, bias=True)
-    low = L.factorize(lin, 32)
+    low = F.factorize(lin, 32)
     x = torch.randn(5, 48)
     torch.testing.assert_close(low(x), lin(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(low.product(), lin.weight.detach(), atol=1e-5, rtol=1e-5)
@@ -31,7 +32,7 @@ def test_truncated_conversion_is_the_best_rank_r_approximation():
     torch.manual_seed(1)
     lin = nn.Linear(40, 30, bias=False)
     s = torch.linalg.svdvals(lin.weight.detach().double())
-    err = (L.factorize(lin, 10).product().double() - lin.weight.detach().double()).norm()
+    err = (F.factorize(lin, 10).product().double() - lin.weight.detach().double()).norm()
     assert math.isclose(float(err), float(s[10:].pow(2).sum().sqrt()), rel_tol=1e-4)
 
 
@@ -40,8 +41,8 @@ def test_stable_rank_of_a_gaussian_matrix():
     m, n = 1024, 256
     w = torch.randn(m, n, generator=g)
     expected = m * n / (math.sqrt(m) + math.sqrt(n)) ** 2
-    assert abs(L.stable_rank(w) / expected - 1) < 0.02
-    probe = L.StableRankProbe(n, seed=3)  # warm-started: repeated checks converge
+    assert abs(F.stable_rank(w) / expected - 1) < 0.02
+    probe = F.StableRankProbe(n, seed=3)  # warm-started: repeated checks converge
     for _ in range(20):
         est = probe(w, iters=2)
     assert abs(est / expected - 1) < 0.02
@@ -53,8 +54,8 @@ def test_stable_rank_of_equal_singular_values_is_k():
     q2, _ = torch.linalg.qr(torch.randn(48, 48, generator=g, dtype=torch.float64))
     for k in (1, 5, 17):
         w = 3.0 * q1[:, :k] @ q2[:, :k].T
-        assert L.stable_rank(w) == pytest.approx(k, abs=1e-9)
-        assert L.StableRankProbe(48, seed=k)(w, iters=2) == pytest.approx(k, abs=1e-9)
+        assert F.stable_rank(w) == pytest.approx(k, abs=1e-9)
+        assert F.StableRankProbe(48, seed=k)(w, iters=2) == pytest.approx(k, abs=1e-9)
 
 
 def test_switch_detector_fires_on_a_plateau():
@@ -81,19 +82,19 @@ def test_switch_detector_never_fires_on_a_steady_ramp():
 
 
 def test_rank_rule_clips_and_rounds():
-    assert L.adaptive_rank(2.0, 10.0, 256, 128, 0.05) == 20
-    assert L.adaptive_rank(2.0, 1.0, 256, 128, 0.05) == 7  # ceil(0.05 * 128)
-    assert L.adaptive_rank(4.0, 100.0, 256, 128, 0.05) == 128
-    assert L.adaptive_rank(2.0, 10.1, 256, 128, 0.05, multiple=8) == 24
-    assert L.fixed_rank(0.25, 384, 1536) == 96
+    assert R.adaptive_rank(2.0, 10.0, 256, 128, 0.05) == 20
+    assert R.adaptive_rank(2.0, 1.0, 256, 128, 0.05) == 7  # ceil(0.05 * 128)
+    assert R.adaptive_rank(4.0, 100.0, 256, 128, 0.05) == 128
+    assert R.adaptive_rank(2.0, 10.1, 256, 128, 0.05, multiple=8) == 24
+    assert R.fixed_rank(0.25, 384, 1536) == 96
 
 
 def test_no_gain_guard():
-    assert L.no_gain(64, 128, 128) and not L.no_gain(63, 128, 128)
+    assert R.no_gain(64, 128, 128) and not R.no_gain(63, 128, 128)
     cfg = LowRankConfig(mode="fixed", rank_ratio=0.6)
-    layers = [L.LayerShape("sq", 128, 128), L.LayerShape("wide", 512, 128)]
+    layers = [R.LayerShape("sq", 128, 128), R.LayerShape("wide", 512, 128)]
     # rank 77 of a 128x128 layer would hold more than the layer: it stays dense
-    assert L.rank_map_for("fixed", cfg, layers, {}, {}) == {"wide": 77}
+    assert R.rank_map_for("fixed", cfg, layers, {}, {}) == {"wide": 77}
 
 
 def _tiny(n_layers: int = 4, tie: bool = False) -> ModelConfig:
@@ -106,7 +107,7 @@ def test_candidates_skip_embeddings_head_norms_and_outer_blocks():
     from workbench.train.model import build
 
     model = build(_tiny(5), seed=0)
-    names = [n for n, _ in L.candidates(model, LowRankConfig(keep_first_blocks=1,
+    names = [n for n, _ in F.candidates(model, LowRankConfig(keep_first_blocks=1,
                                                               keep_last_blocks=2), 5)]
     assert {n.split(".")[1] for n in names} == {"1", "2"}
     assert len(names) == 2 * 7 and not any("embed" in n or "output" in n for n in names)
@@ -117,14 +118,14 @@ def test_byte_accounting():
 
     cfg = _tiny(4, tie=True)
     model = build(cfg, seed=0)
-    assert L.trainable_params(model) == n_params(cfg)  # tied head counted once
-    assert L.dp_grad_bytes(model) == 4 * n_params(cfg)
-    low = L.LowRankLinear(64, 192, 8, bias=True)
-    assert L.trainable_params(low) == 8 * (64 + 192) + 192
-    before = L.trainable_params(model)
-    L.convert(model, {"layers.1.feed_forward.w1": 8})  # 64 -> 192 dense becomes rank 8
-    assert L.trainable_params(model) == before - 64 * 192 + 8 * (64 + 192)
-    assert L.dp_grad_bytes(model, bytes_per_elem=2) == 2 * L.trainable_params(model)
+    assert F.trainable_params(model) == n_params(cfg)  # tied head counted once
+    assert F.dp_grad_bytes(model) == 4 * n_params(cfg)
+    low = F.LowRankLinear(64, 192, 8, bias=True)
+    assert F.trainable_params(low) == 8 * (64 + 192) + 192
+    before = F.trainable_params(model)
+    F.convert(model, {"layers.1.feed_forward.w1": 8})  # 64 -> 192 dense becomes rank 8
+    assert F.trainable_params(model) == before - 64 * 192 + 8 * (64 + 192)
+    assert F.dp_grad_bytes(model, bytes_per_elem=2) == 2 * F.trainable_params(model)
 
 
 def test_tp_plan_shards_factors_like_their_base():
@@ -133,10 +134,10 @@ def test_tp_plan_shards_factors_like_their_base():
     from workbench.train.model import build
 
     model = build(_tiny(3), seed=0)
-    L.convert(model, {"layers.1.attention.wq": 4, "layers.1.attention.wo": 4})
+    F.convert(model, {"layers.1.attention.wq": 4, "layers.1.attention.wo": 4})
     plan = {"layers.1.attention.wq": ColwiseParallel(), "layers.1.attention.wo":
             RowwiseParallel(), "layers.1.attention.wk": ColwiseParallel()}
-    out = L.adapt_tp_plan(model, plan, sequence_parallel=False)
+    out = F.adapt_tp_plan(model, plan, sequence_parallel=False)
     assert set(out) == {"layers.1.attention.wq.u", "layers.1.attention.wo.v",
                         "layers.1.attention.wk"}
     assert isinstance(out["layers.1.attention.wq.u"], ColwiseParallel)

@@ -4,7 +4,7 @@ engine from a full state dict and parallelizes the factorized model again. Per-s
 the single-process run of the same config (1e-4 relative), the switch happens at the same step,
 and FSDP moves fewer bytes per step once the blocks are factorized.
 
-All layouts run inside ONE spawned process group (workbench.train.multirank), as in
+All layouts run inside ONE spawned process group (workbench.testing.multirank), as in
 test_parallel.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from workbench import layout as layouts
 from workbench.cli import compose
 from workbench.data.corpus import load as load_data
-from workbench.train.multirank import Case, run_cases, run_single
+from workbench.testing.multirank import Case, run_cases, run_single
 
 pytestmark = pytest.mark.slow
 

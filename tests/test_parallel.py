@@ -3,7 +3,7 @@ recompute none, full and selective, trains with per-step losses equal to the sin
 (1e-5 relative); DDP's measured all-reduce bytes equal the gradient bytes; distributed checkpoints
 resume bitwise in the same layout and load equal weights into another layout.
 
-All cases run inside ONE spawned process group (workbench.train.multirank): torchrun would pay
+All cases run inside ONE spawned process group (workbench.testing.multirank): torchrun would pay
 10-20 s per case. The 4-rank layouts are in test_parallel_4ranks.py (slow).
 """
 
@@ -17,7 +17,7 @@ from workbench import layout as layouts
 from workbench.cli import compose
 from workbench.config import RunConfig
 from workbench.data.corpus import load as load_data
-from workbench.train.multirank import Case, run_cases, run_single
+from workbench.testing.multirank import Case, run_cases, run_single
 
 REL_TOL = 1e-5
 BASE = ["model=gpt_tiny", "train.steps=3", "train.global_batch=8", "train.micro_batch=2",

@@ -1,4 +1,4 @@
-"""PowerSGD (train/powersgd.py) resumes bitwise: its error feedback and warm-started Q matrices
+"""PowerSGD (lowrank/powersgd.py) resumes bitwise: its error feedback and warm-started Q matrices
 are checkpointed per rank and per parameter, so a run killed after a checkpoint and restarted
 continues with the same losses and ends with the same weights, although DDP lays out its
 buckets differently in the restarted run's first iteration."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from test_parallel import make_case
 
 from workbench.data.corpus import load as load_data
-from workbench.train.multirank import run_cases
+from workbench.testing.multirank import run_cases
 
 PSGD = ["layout=ddp", "lowrank=powersgd", "lowrank.powersgd_start_iter=2", "train.steps=8",
         "train.ckpt_every=4"]

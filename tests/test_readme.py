@@ -2,8 +2,9 @@
 
 A block runs as one bash script (top to bottom, `set -e`) in a fresh folder laid out like a
 clone (benchmarks/ and slurm/ linked from the repository, ../shared beside it), writing its
-MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus cache. At CPU scale: `python -m workbench.run` gets a few steps,
-benchmarks get their smallest arguments (`SMALL` below); nothing else is changed. A marker line
+MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus cache.
+At CPU scale: `python -m workbench.run` gets a few steps, benchmarks get their smallest
+arguments (`SMALL` below); nothing else is changed. A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
 
 - `install`: the first command; its install steps are what .ci/run (and the wheel test) do, so

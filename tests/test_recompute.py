@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from workbench.cli import compose
-from workbench.train.engine import apply_recompute
 from workbench.train.model import build, cross_entropy
+from workbench.train.parallel.recompute import apply_recompute
 
 
 def forward_calls_and_grads(mode: str):

@@ -57,9 +57,9 @@ class ModelShape:
 
 def _factor(m: int, n: int, col: bool, ratio: float, multiple: int = 1) -> tuple[Linear, ...]:
     """(m, n) -> (m, r) then (r, n): FLOPs and parameters scale by r(m+n)/(mn). The rank is the
-    one training picks (workbench.train.lowrank.fixed_rank), and a layer whose factors would not
+    one training picks (workbench.lowrank.ranks.fixed_rank), and a layer whose factors would not
     be smaller stays dense, as training's no-gain guard keeps it."""
-    from workbench.train.lowrank import fixed_rank, no_gain
+    from workbench.lowrank.ranks import fixed_rank, no_gain
 
     r = fixed_rank(ratio, n, m, multiple)
     if no_gain(r, n, m):

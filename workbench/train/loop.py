@@ -1,17 +1,17 @@
 """The training loop: one readable function, the same for every layout and launcher.
 
 What differs between layouts (how a micro-batch is forwarded, how gradients are reduced) lives
-in the engine; the loop only sees `engine.train_step(micro_batches) -> mean loss`.
+in the engine (workbench.train.engine); the loop only sees `engine.train_step(micro_batches) ->
+mean loss`. What a feature adds (low-rank training) comes through `LoopHooks`.
 """
 
 from __future__ import annotations
 
 import math
-import resource
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -19,66 +19,16 @@ from workbench.config import RunConfig
 from workbench.data.corpus import TokenData
 from workbench.layout import Layout
 from workbench.track.tracker import Tracker
-from workbench.train.checkpoint import CheckpointDir, rng_state, set_rng_state
-
-Batch = Tuple[torch.Tensor, torch.Tensor]
-
-
-class Engine(Protocol):
-    """What the loop needs from a (possibly parallel) model."""
-
-    device: torch.device
-    dp_rank: int
-    dp_size: int
-    is_main: bool  # this rank logs metrics and prints
-
-    def parameters(self) -> List[torch.nn.Parameter]: ...
-    def train_step(self, micro_batches: List[Batch]) -> float: ...
-    def eval_loss(self, batches: List[Batch]) -> float: ...
-    def clip_grad_norm(self, max_norm: float) -> float: ...
-    def state_dict(self) -> Dict[str, Any]: ...
-    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
-    # The optimizer's state through the engine: multi-rank engines key it by parameter name
-    # (torch.distributed.checkpoint), so a checkpoint loads into another layout.
-    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]: ...
-    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer,
-                              state: Dict[str, Any]) -> None: ...
-    def any_rank(self, flag: bool) -> bool: ...  # True everywhere if true on one rank
-    def comm_bytes(self) -> Dict[str, float]: ...
-    def peak_mem_bytes(self) -> float: ...
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    floor = t.lr * t.min_lr_ratio
-    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(params: List[torch.nn.Parameter], cfg: RunConfig,
-                   fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norms, biases and gains are not decayed)."""
-    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
-    rest = [p for p in params if p.requires_grad and p.dim() < 2]
-    t = cfg.train
-    groups = [{"params": decay, "weight_decay": t.weight_decay},
-              {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
+from workbench.train.checkpoint.whole import CheckpointDir, rng_state, set_rng_state
+from workbench.train.engine import Batch, Engine
+from workbench.train.hooks import LoopHooks
+from workbench.train.optimizer import lr_at
 
 
 def _process_start_s() -> float:
     import psutil
 
     return psutil.Process().create_time()
-
-
-def cpu_peak_rss_bytes() -> float:
-    """Peak resident memory of this process (ru_maxrss is KiB on Linux)."""
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
 
 
 @dataclass
@@ -96,9 +46,9 @@ class LoopContext:
     # Polled after every step; True (a preemption or time-limit signal arrived) makes the loop
     # write a checkpoint and return early with last["stopped_at"] set, for a requeue to resume.
     stop_requested: Optional[Callable[[], bool]] = None
-    # Low-rank training (switch.LowRankController): may factorize the model mid-run and hand
-    # back a new optimizer; its state rides in every checkpoint. None: plain full rank.
-    lowrank: Optional[Any] = None
+    # What a feature adds to the loop (low-rank training: workbench.lowrank.controller); the
+    # defaults do nothing.
+    hooks: LoopHooks = field(default_factory=LoopHooks)
 
 
 def micro_batches(ctx: LoopContext, split: str, step: int, count: int) -> List[Batch]:
@@ -150,22 +100,16 @@ def save(ctx: LoopContext, optimizer: torch.optim.Optimizer, next_step: int) -> 
     state = {"model": ctx.engine.state_dict(),
              "optimizer": ctx.engine.optim_state_dict(optimizer),
              "rng": rng_state(), "next_step": next_step, "data_position": next_step,
-             "layout": ctx.layout.key()}
-    if ctx.lowrank is not None:
-        state["lowrank"] = ctx.lowrank.state_dict()
+             "layout": ctx.layout.key(), **ctx.hooks.state_dict()}
     ctx.ckpt.save(next_step, state)
 
 
 def train(ctx: LoopContext) -> Dict[str, float]:
     """Run steps [resume point, train.steps); returns the last metrics."""
     cfg, t = ctx.cfg, ctx.cfg.train
-    lowrank = ctx.lowrank
-    if lowrank is not None:  # restores its state (factorized shapes) before the optimizer
-        lowrank.prepare(ctx.ckpt)
-        optimizer = lowrank.make_optimizer()
-    else:
-        optimizer = make_optimizer(ctx.engine.parameters(), cfg,
-                                   fused=ctx.engine.device.type == "cuda")
+    hooks = ctx.hooks
+    hooks.prepare(ctx.ckpt)  # restores its state (factorized shapes) before the optimizer
+    optimizer = hooks.make_optimizer(ctx.engine, cfg)
     start = resume(ctx, optimizer)
     # Per key, the last step already recorded by an earlier attempt of this run.
     logged = {k: ctx.tracker.last_logged_step(k) if start > 0 else -1
@@ -182,7 +126,7 @@ def train(ctx: LoopContext) -> Dict[str, float]:
     for step in range(start, t.steps):
         if step % t.eval_every == 0:
             log(evaluate(ctx), step)
-        lr = lr_at(step, cfg) * (lowrank.lr_factor(step) if lowrank is not None else 1.0)
+        lr = lr_at(step, cfg) * hooks.lr_factor(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
@@ -195,14 +139,17 @@ def train(ctx: LoopContext) -> Dict[str, float]:
             torch.cuda.synchronize()
         step_time_s = time.perf_counter() - t0
         tokens_per_s = tokens_per_step / step_time_s
+        save_now = (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps
+        # A stop signal is polled between checkpoints only (a checkpoint step saves anyway),
+        # and agreed in the step's one metrics collective: every rank stops at the same step.
+        stats, stop = ctx.engine.step_stats(
+            not save_now and ctx.stop_requested is not None and ctx.stop_requested())
         last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time_s,
                 "tokens_per_s": tokens_per_s,
                 "mfu": ctx.flops_per_token * tokens_per_s
-                / (ctx.peak_flops_per_device * ctx.world_size),
-                "peak_mem_bytes": ctx.engine.peak_mem_bytes(), **ctx.engine.comm_bytes()}
-        if lowrank is not None:  # stable ranks; at the switch, a factorized model and optimizer
-            optimizer, extra = lowrank.after_step(step, optimizer, lr)
-            last.update(extra)
+                / (ctx.peak_flops_per_device * ctx.world_size), **stats}
+        optimizer, extra = hooks.after_step(step, optimizer, lr)
+        last.update(extra)
         if step == start:  # startup cost as a user feels it: process start to first step done
             last["time_to_first_step_s"] = time.time() - _process_start_s()
         if not math.isfinite(loss):
@@ -211,17 +158,16 @@ def train(ctx: LoopContext) -> Dict[str, float]:
             log(last, step)
         if ctx.on_step is not None:
             ctx.on_step(step, last)
-        if (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps:
+        if save_now:
             if step + 1 == t.steps:
                 vals = evaluate(ctx)
                 last.update(vals)
                 log(vals, step + 1)
             save(ctx, optimizer, step + 1)
-        elif ctx.stop_requested is not None and ctx.engine.any_rank(ctx.stop_requested()):
+        elif stop:
             save(ctx, optimizer, step + 1)
             last["stopped_at"] = step + 1
             break
-    if lowrank is not None:
-        lowrank.finish()
+    hooks.finish()
     ctx.tracker.flush()
     return last

@@ -17,12 +17,14 @@ from workbench.cli import guarded
 from workbench.config import compute_dtype
 from workbench.data.corpus import open_tokens
 from workbench.job import Job
+from workbench.lowrank.controller import make_hooks
 from workbench.track.tracker import make_tracker
 from workbench.train import loop
-from workbench.train.checkpoint import CheckpointDir
-from workbench.train.engine import LocalEngine
+from workbench.train.checkpoint.whole import CheckpointDir
+from workbench.train.engine import Engine
+from workbench.train.engine.local import LocalEngine
 from workbench.train.model import build, flops_per_token
-from workbench.train.switch import make_controller
+from workbench.train.parallel.comm import ByteCounter
 
 
 def peak_flops(cfg) -> float:
@@ -39,7 +41,8 @@ def world_from_env() -> Dict[str, int]:
             "local_rank": int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))}
 
 
-def make_engine(job: Job, cfg, world: Dict[str, int]):
+def make_engine(job: Job, cfg, world: Dict[str, int], counter: ByteCounter) -> Engine:
+    """The engine for this rank; `counter` is the one the process group counts into."""
     layout = job.the_layout()
     device = torch.device("cuda", world["local_rank"]) if cfg.cluster.device == "cuda" \
         else torch.device("cpu")
@@ -47,9 +50,9 @@ def make_engine(job: Job, cfg, world: Dict[str, int]):
     if world["world_size"] == 1:
         return LocalEngine(model, device, compute_dtype(cfg.train, cfg.cluster),
                            layout.recompute, cfg.train.compile)
-    from workbench.train.parallelize import make_parallel_engine
+    from workbench.train.engine.parallel import make_parallel_engine
 
-    return make_parallel_engine(model, cfg, layout, world, device)
+    return make_parallel_engine(model, cfg, layout, world["rank"], device, counter)
 
 
 def run_job(job: Job, progress: bool = True,
@@ -63,25 +66,26 @@ def run_job(job: Job, progress: bool = True,
     world = world_from_env()
     if world["world_size"] != job.world_size:
         raise RuntimeError(f"job expects world size {job.world_size}, got {world['world_size']}")
+    counter = ByteCounter()  # what the process group counts into, and the engine reads
     if world["world_size"] == 1:
-        return _train(job, cfg, world, progress, stop_requested)
+        return _train(job, cfg, world, counter, progress, stop_requested)
     # Several ranks: the default group (with byte counting) lives exactly as long as training.
     import torch.distributed as dist
 
-    from workbench.train import comm
+    from workbench.train.parallel import comm
 
     if cfg.cluster.device == "cuda":
         torch.cuda.set_device(world["local_rank"])
-    comm.init_process_group(cfg.cluster.device, world["rank"], world["world_size"])
+    comm.init_process_group(cfg.cluster.device, world["rank"], world["world_size"], counter)
     try:
-        return _train(job, cfg, world, progress, stop_requested)
+        return _train(job, cfg, world, counter, progress, stop_requested)
     finally:
         dist.destroy_process_group()
 
 
-def _train(job: Job, cfg, world: Dict[str, int], progress: bool,
+def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress: bool,
            stop_requested: Optional[Callable[[], bool]]) -> Dict[str, float]:
-    engine = make_engine(job, cfg, world)
+    engine = make_engine(job, cfg, world, counter)
     tracker = make_tracker(cfg.tracking, job.run_id, owns_metrics=engine.is_main)
     bar = _progress(cfg.train.steps) if progress and engine.is_main else None
     ctx = loop.LoopContext(
@@ -90,7 +94,7 @@ def _train(job: Job, cfg, world: Dict[str, int], progress: bool,
         flops_per_token=flops_per_token(cfg.model), peak_flops_per_device=peak_flops(cfg),
         world_size=job.world_size, on_step=bar.on_step if bar else None,
         stop_requested=stop_requested,
-        lowrank=make_controller(cfg, engine, tracker, job.run_dir))
+        hooks=make_hooks(cfg, engine, tracker, job.run_dir))
     try:
         last = loop.train(ctx)
     except BaseException:
@@ -119,7 +123,7 @@ def _ckpt(job: Job, world: Dict[str, int], keep: int):
     base = os.path.join(job.run_dir, "checkpoints")
     if job.world_size == 1:
         return CheckpointDir(base, keep)
-    from workbench.train.dcp import DistCheckpointDir
+    from workbench.train.checkpoint.sharded import DistCheckpointDir
 
     return DistCheckpointDir(os.path.join(base, job.layout), keep, world["rank"])
 

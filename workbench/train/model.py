@@ -4,8 +4,8 @@ attention) and the GPT-2 family (LayerNorm, learned positions, GELU).
 The model knows nothing about parallelism. Its submodules are named so that the engine can
 shard them by name (tensor parallel plans) and drop them (pipeline stages: a missing embedding,
 layer or head is None / absent from `layers`, and forward skips it).
-`n_params()` and `flops_per_token()` are arithmetic on the config, so the planner can use them for
-a 405B model without allocating anything.
+`n_params(cfg)` and `flops_per_token(cfg)` are arithmetic on the config, so the planner can use
+them for a 405B model without allocating anything.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 class CausalAttention(nn.Module):
     """Causal scaled-dot-product attention over (B, heads, T, head_dim); a module of its own so
-    that context parallelism can swap it (train/context.py) without this file knowing."""
+    that context parallelism can swap it (train/parallel/context.py) without this file knowing."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -200,13 +200,6 @@ class Transformer(nn.Module):
             h = layer(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
-
-    def n_params(self) -> int:
-        """Arithmetic count for the config (the same on the meta device)."""
-        return n_params(self.cfg)
-
-    def flops_per_token(self) -> float:
-        return flops_per_token(self.cfg)
 
 
 META_ABOVE_PARAMS = 200_000_000

@@ -103,6 +103,16 @@ class CheckpointDir:
             return "sha256 mismatch (corrupt)"
         return None
 
+    def peek(self, key: str) -> Any:
+        """`key` of the newest whole checkpoint (None if absent, or no checkpoint is whole):
+        what a loop hook reads before the model is built, to build it in the shapes it was
+        saved with."""
+        for step in reversed(self.steps()):
+            if self.verify(step) is None:
+                return torch.load(self.path(step), map_location="cpu",
+                                  weights_only=False).get(key)
+        return None
+
     def load_latest(self, template: Optional[Callable[[], Dict[str, Any]]] = None
                     ) -> Optional[Tuple[int, Dict[str, Any]]]:
         """The newest whole checkpoint, or None if there is none at all. Checkpoints that exist

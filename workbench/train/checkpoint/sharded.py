@@ -4,7 +4,7 @@
 checkpoint written by one layout loads into another: DCP reshards on load), one small file per
 rank with what is per-rank (RNG state, step), and last a `complete.json` that rank 0 writes after
 every rank has finished. A folder without it (a run killed mid-save) is skipped on load.
-It has the interface of `checkpoint.CheckpointDir`, so the loop does not know which it has.
+It has the interface of `whole.CheckpointDir`, so the loop does not know which it has.
 """
 
 from __future__ import annotations
@@ -60,6 +60,20 @@ class DistCheckpointDir:
         dist.barrier()
         return path
 
+    def _extra_path(self, step: int) -> Path:
+        """This rank's record of what is not sharded; another world size has other ranks, so
+        rank 0's record (which holds the step for everyone) stands in for a missing one."""
+        mine = self.path(step) / f"extra_rank{self.rank:05d}.pt"
+        return mine if mine.exists() else self.path(step) / "extra_rank00000.pt"
+
+    def peek(self, key: str) -> Any:
+        """`key` of the newest complete checkpoint's unsharded state (None if absent)."""
+        steps = self.steps()
+        if not steps:
+            return None
+        return torch.load(self._extra_path(steps[-1]), map_location="cpu",
+                          weights_only=False).get(key)
+
     def load_latest(self, template: Optional[Callable[[], Dict[str, Any]]] = None
                     ) -> Optional[Tuple[int, Dict[str, Any]]]:
         """Load the newest complete checkpoint into `template()` (this layout's state dicts,
@@ -72,8 +86,5 @@ class DistCheckpointDir:
         path = self.path(step)
         state = template()
         dcp.load(state, checkpoint_id=str(path))
-        mine = path / f"extra_rank{self.rank:05d}.pt"
-        # Another world size has other ranks: rank 0's record holds the step for everyone.
-        extra_path = mine if mine.exists() else path / "extra_rank00000.pt"
-        state.update(torch.load(extra_path, map_location="cpu", weights_only=False))
+        state.update(torch.load(self._extra_path(step), map_location="cpu", weights_only=False))
         return step, state

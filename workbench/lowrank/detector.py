@@ -74,6 +74,3 @@ def should_switch(detector: SwitchDetector, step: int, total_steps: int,
 def forced(step: int, total_steps: int, max_frac: float) -> bool:
     """Switching after the next step would land past max_frac of training."""
     return (step + 2) / total_steps > max_frac
-
-
-# ---------------------------------------------------------------------------- distributed

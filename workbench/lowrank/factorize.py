@@ -1,4 +1,4 @@
-"""Low-rank factorized linear layers, and the arithmetic that decides their ranks.
+"""Low-rank factorized linear layers: factorizing, measuring, converting and sharding them.
 
 A trained `nn.Linear` W (out x in) becomes x -> V x -> U (V x) with U = U_r sqrt(S_r) and
 V = sqrt(S_r) V_r^T from a truncated SVD: at full rank the product is W itself, and splitting
@@ -7,23 +7,19 @@ sqrt(S) evenly keeps both factors on the same scale, which is what Adam and weig
 Ranks follow the stable rank ||W||_F^2 / sigma_max^2, a smooth, cheap proxy of how many
 directions a layer actually uses (Cuttlefish, Wang et al. 2023). sigma_max comes from a few
 power iterations warm-started from the previous check, so a check costs a few matrix-vector
-products instead of an SVD. Each layer's rank is its stable rank times a scale fixed at
-initialization (full rank / stable rank at step 0), so a layer whose stable rank did not move
-keeps its full rank, and one that collapsed gets a proportionally small rank.
-
-Everything here is per-layer arithmetic; when to switch lives in switch.py.
+products instead of an SVD. How a stable rank becomes a rank is torch-free arithmetic shared
+with the planner (ranks.py); when to switch lives in detector.py and controller.py.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from workbench.config import LowRankConfig
+from workbench.lowrank.ranks import LayerShape
 
 # Linear layers of a block that may be factorized; the tensor-parallel style of each base
 # layer decides how its factors are sharded (see tp_styles).
@@ -122,34 +118,6 @@ class StableRankProbe:
         self.v, self.warm = state["v"].to(torch.float64).clone(), True
 
 
-def no_gain(rank: int, out_features: int, in_features: int) -> bool:
-    """True when the factors hold at least as many parameters as the dense layer
-    (r (m + n) >= m n): then factorizing costs FLOPs and bytes and saves nothing."""
-    return rank * (out_features + in_features) >= out_features * in_features
-
-
-def round_rank(rank: int, multiple: int, full: int) -> int:
-    """Up to a multiple of `multiple` (matmul-friendly: 8 or 64 on GPUs), never past full."""
-    if multiple > 1:
-        rank = math.ceil(rank / multiple) * multiple
-    return min(rank, full)
-
-
-def adaptive_rank(scale: float, sr: float, out_features: int, in_features: int,
-                  lower_bound: float, multiple: int = 1) -> int:
-    """r = clip(ceil(scale * sr), ceil(lower_bound * min(m, n)), min(m, n)), then rounded."""
-    full = min(out_features, in_features)
-    floor = max(1, math.ceil(lower_bound * full))
-    r = min(full, max(floor, math.ceil(scale * sr - 1e-9)))
-    return round_rank(r, multiple, full)
-
-
-def fixed_rank(ratio: float, out_features: int, in_features: int, multiple: int = 1) -> int:
-    """Pufferfish-style: one ratio of min(m, n) for every factorized layer."""
-    full = min(out_features, in_features)
-    return round_rank(max(1, math.ceil(ratio * full)), multiple, full)
-
-
 def candidates(model: nn.Module, cfg: LowRankConfig, n_layers: int) -> list[tuple[str, nn.Linear]]:
     """The linears that may be factorized, by global name: those of the blocks between the
     first `keep_first_blocks` and the last `keep_last_blocks`. Embeddings, the LM head and
@@ -204,13 +172,6 @@ def dp_grad_bytes(model: nn.Module, bytes_per_elem: int = 4) -> int:
     trainable parameter once, at the gradient's width. DDP's measured comm/allreduce_bytes
     is this number; the planner predicts it from shapes."""
     return trainable_params(model) * bytes_per_elem
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    name: str
-    out_features: int
-    in_features: int
 
 
 def tp_styles(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
@@ -269,42 +230,3 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return weight.full_tensor() if isinstance(weight, DTensor) else weight
-
-
-def rank_map_for(mode: str, cfg: LowRankConfig, layers: list[LayerShape],
-                 scales: dict[str, float], srs: dict[str, float]) -> dict[str, int]:
-    """The rank of every layer worth factorizing (others absent: they stay dense)."""
-    out: dict[str, int] = {}
-    for s in layers:
-        if mode == "fixed":
-            r = fixed_rank(cfg.rank_ratio, s.out_features, s.in_features, cfg.round_to)
-        else:
-            r = adaptive_rank(scales[s.name], srs[s.name], s.out_features, s.in_features,
-                              cfg.rank_lower_bound, cfg.round_to)
-        if not no_gain(r, s.out_features, s.in_features):
-            out[s.name] = r
-    return out
-
-
-def plot_stable_ranks(history: dict[str, list[tuple[int, float]]], switch_step: int | None,
-                      path: str) -> None:
-    """One line per layer (stable rank against step), the switch as a vertical line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, pts in sorted(history.items()):
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=1)
-    if switch_step is not None:
-        ax.axvline(switch_step, color="k", ls="--", lw=1, label="switch")
-    ax.set_xlabel("step")
-    ax.set_ylabel("stable rank")
-    ax.set_title("stable rank per layer")
-    if len(history) <= 16:
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

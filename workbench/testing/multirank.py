@@ -15,8 +15,7 @@ import os
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -25,9 +24,12 @@ import torch
 from workbench.config import RunConfig, compute_dtype
 from workbench.data.corpus import TokenData
 from workbench.layout import Layout
+from workbench.lowrank.controller import make_hooks
 from workbench.track.tracker import NullTracker
 from workbench.train import loop
 from workbench.train.model import build, flops_per_token
+from workbench.train.optimizer import make_optimizer
+from workbench.train.parallel.comm import ByteCounter
 
 
 @dataclass
@@ -42,7 +44,6 @@ class Case:
     fingerprint: bool = False
     train: bool = True  # False: only resume from ckpt_dir (then fingerprint)
     keep_up_to_step: Optional[int] = None  # first delete checkpoints after this step
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 class _NoCheckpoints:
@@ -55,8 +56,11 @@ class _NoCheckpoints:
     def load_latest(self, template=None) -> None:
         return None
 
-    def steps(self) -> List[int]:  # the low-rank controller peeks for a checkpoint
+    def steps(self) -> List[int]:
         return []
+
+    def peek(self, key: str) -> None:  # the low-rank controller peeks for a checkpoint
+        return None
 
 
 def weight_fingerprint(named: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -65,13 +69,9 @@ def weight_fingerprint(named: Dict[str, torch.Tensor]) -> Dict[str, str]:
             .hexdigest() for k, v in named.items()}
 
 
-def _lowrank(cfg: RunConfig, engine: Any) -> Any:
-    """The loop's low-rank controller as main.py makes it (no run folder: no artifacts)."""
-    if cfg.lowrank.mode == "off":
-        return None
-    from workbench.train.switch import make_controller
-
-    return make_controller(cfg, engine, NullTracker(), "")
+def param_dtypes(engine: Any) -> List[str]:
+    """The dtypes the engine keeps its parameters in (bf16 compute keeps fp32 masters)."""
+    return sorted({str(p.dtype) for p in engine.parameters()})
 
 
 def _record(history: List[Dict[str, float]]):
@@ -84,8 +84,8 @@ def _record(history: List[Dict[str, float]]):
 def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
                ) -> Dict[str, Any]:
     """The reference: world size 1 through the same loop (LocalEngine, whole-file checkpoints)."""
-    from workbench.train.checkpoint import CheckpointDir
-    from workbench.train.engine import LocalEngine
+    from workbench.train.checkpoint.whole import CheckpointDir
+    from workbench.train.engine.local import LocalEngine
 
     model = build(cfg.model, cfg.train.seed)
     engine = LocalEngine(model, torch.device("cpu"), compute_dtype(cfg.train, cfg.cluster),
@@ -95,24 +95,23 @@ def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
                            tracker=NullTracker(), ckpt=CheckpointDir(Path(ckpt_dir)),
                            flops_per_token=flops_per_token(cfg.model),
                            peak_flops_per_device=cfg.cluster.peak_fp32_flops, world_size=1,
-                           on_step=_record(history), lowrank=_lowrank(cfg, engine))
+                           on_step=_record(history),
+                           hooks=make_hooks(cfg, engine, NullTracker(), ""))
     last = loop.train(ctx)
-    return {"history": history, "last": last,
-            "weights": weight_fingerprint(dict(model.state_dict()))}
+    return {"history": history, "last": last, "param_dtypes": param_dtypes(engine),
+            "weights": weight_fingerprint(dict(engine.view.state_dict()))}
 
 
-def _run_case(case: Case, data: TokenData, rank: int, world_size: int) -> Dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from workbench.train.dcp import DistCheckpointDir
-    from workbench.train.parallelize import make_parallel_engine
+def _run_case(case: Case, data: TokenData, rank: int, world_size: int,
+              counter: ByteCounter) -> Dict[str, Any]:
+    from workbench.train.checkpoint.sharded import DistCheckpointDir
+    from workbench.train.engine.parallel import make_parallel_engine
 
     cfg = case.cfg
     if case.keep_up_to_step is not None:  # as if the run had been killed after that step
         _drop_checkpoints_after(case.ckpt_dir, case.keep_up_to_step, rank)
     model = build(cfg.model, cfg.train.seed)
-    world = {"rank": rank, "world_size": world_size, "local_rank": rank}
-    engine = make_parallel_engine(model, cfg, case.layout, world, torch.device("cpu"))
+    engine = make_parallel_engine(model, cfg, case.layout, rank, torch.device("cpu"), counter)
     history: List[Dict[str, float]] = []
     ctx = loop.LoopContext(cfg=cfg, layout=case.layout, engine=engine, data=data,
                            tracker=NullTracker(),
@@ -121,16 +120,16 @@ def _run_case(case: Case, data: TokenData, rank: int, world_size: int) -> Dict[s
                            flops_per_token=flops_per_token(cfg.model),
                            peak_flops_per_device=cfg.cluster.peak_fp32_flops,
                            world_size=world_size, on_step=_record(history),
-                           lowrank=_lowrank(cfg, engine))
-    out: Dict[str, Any] = {"is_main": engine.is_main, "history": history}
+                           hooks=make_hooks(cfg, engine, NullTracker(), ""))
+    out: Dict[str, Any] = {"is_main": engine.is_main, "history": history,
+                           "param_dtypes": param_dtypes(engine)}
     if case.train:
         out["last"] = {k: float(v) for k, v in loop.train(ctx).items()}
     else:
-        optimizer = loop.make_optimizer(engine.parameters(), cfg)
+        optimizer = make_optimizer(engine.parameters(), cfg)
         out["resumed_at"] = loop.resume(ctx, optimizer)
     if case.fingerprint:
-        full = get_model_state_dict(engine.view, options=StateDictOptions(full_state_dict=True))
-        out["weights"] = weight_fingerprint(full)
+        out["weights"] = weight_fingerprint(engine.full_state_dict())
     return out
 
 
@@ -139,7 +138,7 @@ def _drop_checkpoints_after(folder: str, step: int, rank: int) -> None:
 
     import torch.distributed as dist
 
-    from workbench.train.dcp import DistCheckpointDir
+    from workbench.train.checkpoint.sharded import DistCheckpointDir
 
     ckpt = DistCheckpointDir(folder)
     if rank == 0:
@@ -153,18 +152,17 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
            out_dir: str, collective_timeout_s: float) -> None:
     import torch.distributed as dist
 
-    from workbench.train import comm
+    from workbench.train.parallel import comm
 
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world_size)
+    counter = ByteCounter()
     # A short collective timeout turns a hang (a rank that failed alone) into an error.
-    dist.init_process_group(comm.backend_for("cpu"), store=store, rank=rank,
-                            world_size=world_size,
-                            timeout=timedelta(seconds=collective_timeout_s))
+    comm.init_process_group("cpu", rank, world_size, counter, timeout_s=collective_timeout_s,
+                            store=dist.FileStore(store_path, world_size))
     try:
         for i, case in enumerate(cases):
             try:
-                result = _run_case(case, data, rank, world_size)
+                result = _run_case(case, data, rank, world_size, counter)
             except Exception as e:  # a failing case is reported, the group goes on
                 result = {"error": f"{type(e).__name__}: {e}",
                           "traceback": traceback.format_exc()}

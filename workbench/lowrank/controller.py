@@ -1,16 +1,11 @@
-"""When to leave full rank, and the controller that does it inside the training loop.
+"""The loop hook that trains at low rank: measures stable ranks, switches, and converts.
 
-`SwitchDetector` is pure arithmetic over stable-rank trajectories (unit-testable): each
-layer's slope is smoothed by an EMA, and the layer is settled when the mean absolute smoothed
-slope over the last `window` checks, relative to its stable rank at initialization, falls
-below `epsilon`. Normalizing by the initial value makes one epsilon
-fit a 128-wide and a 4096-wide layer, and a steady ramp keeps a constant slope, so it never
-counts as settled (a relative-to-current slope would decay like 1/t and fire eventually).
-
-`LowRankController` is what the loop calls: it measures stable ranks every `check_every`
-steps, decides the switch on rank 0 (all ranks then apply the same rank map), converts the
-engine's model (re-wrapping DDP/FSDP/TP from a full state dict), rebuilds the optimizer,
-and carries its state in the checkpoint so a resume before or after the switch is exact.
+`LowRankController` overrides `LoopHooks`: it measures stable ranks every `check_every` steps,
+decides the switch on rank 0 with `detector.SwitchDetector` (all ranks then apply the same rank
+map), rebuilds the engine around a factorized copy of its model (`engine.rebuild`: the same
+layout, DDP/FSDP/TP applied anew), makes a new optimizer, and carries its state in the
+checkpoint so a resume before or after the switch is exact. Mode `powersgd` instead registers
+a PowerSGD comm hook on the engine's DDP modules.
 """
 
 from __future__ import annotations
@@ -23,105 +18,35 @@ from typing import Any
 import torch
 
 from workbench.config import ConfigError, RunConfig
-from workbench.train import lowrank as lr_mod
-from workbench.train.detector import SwitchDetector, forced, should_switch
+from workbench.lowrank import factorize as lr_mod
+from workbench.lowrank.detector import SwitchDetector, forced, should_switch
+from workbench.lowrank.plots import plot_stable_ranks
+from workbench.lowrank.ranks import LayerShape, rank_map_for
+from workbench.train.engine import Engine
+from workbench.train.hooks import LoopHooks
+from workbench.train.model import build
+from workbench.train.optimizer import make_optimizer
 
-__all__ = ["SwitchDetector", "forced", "should_switch", "LowRankController", "make_controller"]
-
-
-def _dist_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _quiet(engine: Any):
-    """Bookkeeping collectives are not the engine's traffic (comm.uncounted when counting)."""
-    from contextlib import nullcontext
-
-    counter = getattr(engine, "counter", None)
-    if counter is not None and hasattr(counter, "uncounted"):
-        return counter.uncounted()
-    groups = getattr(engine, "groups", None)
-    if groups is None:
-        return nullcontext()
-    from workbench.train import comm
-
-    return comm.uncounted(groups)
+KEY = "lowrank"  # the controller's entry in every checkpoint
 
 
-def merged(engine: Any, local: dict[str, Any]) -> dict[str, Any]:
+def merged(engine: Engine, local: dict[str, Any]) -> dict[str, Any]:
     """Every rank's dict merged (pipeline stages hold different layers)."""
-    if not _dist_ready():
-        return dict(local)
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    with _quiet(engine):
-        dist.all_gather_object(out, local)
-    merged_: dict[str, Any] = {}
-    for d in out:
-        merged_.update(d)
-    return merged_
+    out: dict[str, Any] = {}
+    for d in engine.gather_objects(local):
+        out.update(d)
+    return out
 
 
-def from_rank0(engine: Any, obj: Any) -> Any:
-    """Rank 0's value on every rank: one rank decides, all apply the same decision."""
-    if not _dist_ready():
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    with _quiet(engine):
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def model_of(engine: Any) -> torch.nn.Module:
-    """The engine's module with global parameter names (the checkpoint view when parallel)."""
-    return getattr(engine, "view", None) or engine.model
-
-
-# ---------------------------------------------------------------------------- conversion
-def convert_engine(engine: Any, cfg: RunConfig, rank_map: dict[str, int]) -> None:
-    """Factorize the engine's model in place. One process: replace the modules. Several:
-    gather the full state, build a fresh model, factorize it, and parallelize it again over
-    the same mesh (DDP/FSDP2 cannot change their parameters under them)."""
-    if not hasattr(engine, "view"):
-        lr_mod.convert(engine.model, rank_map)
-        if engine.forward is not engine.model:  # compiled: compile the new graph
-            engine.forward = torch.compile(engine.model)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from workbench.train.dist_engine import ParallelEngine
-    from workbench.train.model import build
-    from workbench.train.parallelize import parallelize
-
-    with _quiet(engine):
-        full = get_model_state_dict(engine.view, options=StateDictOptions(full_state_dict=True))
-        full = {k: v.detach().to("cpu") for k, v in full.items()}
+def convert_engine(engine: Engine, cfg: RunConfig, rank_map: dict[str, int]) -> None:
+    """Factorize the engine's model: gather the full state, build a fresh model, factorize it,
+    and rebuild the engine around it (DDP/FSDP2 cannot change their parameters under them)."""
+    with engine.uncounted():
+        full = engine.full_state_dict()
         model = build(cfg.model, cfg.train.seed, "cpu")
-        model.load_state_dict(full, strict=False)
+        model.load_state_dict(full, strict=False)  # a pipeline stage holds some layers
         lr_mod.convert(model, rank_map)
-        parts = parallelize(model, engine.mesh, engine.layout, cfg, engine.device)
-    ParallelEngine.__init__(engine, parts, engine.mesh, engine.layout, cfg, engine.device)
-
-
-def make_optimizer(engine: Any, cfg: RunConfig) -> torch.optim.Optimizer:
-    """AdamW as the loop builds it, except that low-rank factors get no weight decay (the
-    controller applies Frobenius decay on their product instead)."""
-    params = engine.parameters()
-    factors = {id(p) for p in lr_mod.factor_params(model_of(engine))}
-    t = cfg.train
-    groups = [{"params": [p for p in params if p.requires_grad and p.dim() >= 2
-                          and id(p) not in factors], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.requires_grad and p.dim() < 2],
-               "weight_decay": 0.0},
-              {"params": [p for p in params if id(p) in factors], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                             fused=(engine.device.type == "cuda") or None)
+        engine.rebuild(model)
 
 
 @torch.no_grad()
@@ -148,29 +73,11 @@ def frobenius_decay(model: torch.nn.Module, coef: float) -> None:
                 p.sub_(d)
 
 
-def peek_state(ckpt: Any) -> dict[str, Any] | None:
-    """The controller's state in the checkpoint the loop is about to resume from (the newest
-    whole one), read before the model is built so that a post-switch checkpoint finds the
-    factorized shapes it was written with."""
-    for step in reversed(ckpt.steps()):
-        if hasattr(ckpt, "verify"):  # one whole file
-            if ckpt.verify(step) is not None:
-                continue
-            state = torch.load(ckpt.path(step), map_location="cpu", weights_only=False)
-        else:  # sharded: the per-rank extras hold what is not sharded
-            path = ckpt.path(step)
-            mine = path / f"extra_rank{ckpt.rank:05d}.pt"
-            state = torch.load(mine if mine.exists() else path / "extra_rank00000.pt",
-                               map_location="cpu", weights_only=False)
-        return state.get("lowrank")
-    return None
-
-
-class LowRankController:
+class LowRankController(LoopHooks):
     """The loop's low-rank hooks: prepare -> make_optimizer -> (lr_factor, after_step)* ->
-    finish; state_dict goes into every checkpoint."""
+    finish; its state goes into every checkpoint under `KEY`."""
 
-    def __init__(self, cfg: RunConfig, engine: Any, tracker: Any, run_dir: str):
+    def __init__(self, cfg: RunConfig, engine: Engine, tracker: Any, run_dir: str):
         self.cfg, self.lr, self.engine, self.tracker = cfg, cfg.lowrank, engine, tracker
         self.run_dir, self.mode = run_dir, cfg.lowrank.mode
         self.detector = SwitchDetector(self.lr.ema, self.lr.window, self.lr.epsilon)
@@ -190,7 +97,10 @@ class LowRankController:
         checkpoint being resumed, or measure stable ranks at initialization."""
         if self.mode == "powersgd":
             self._register_powersgd()
-        state = peek_state(ckpt)
+        state = ckpt.peek(KEY)
+        if state is None and ckpt.steps():
+            raise ConfigError("lowrank.mode", self.mode,
+                              "the checkpoint was written with mode off")
         if state is not None:
             self.load_state_dict(state)
             if self.switch_step is not None:
@@ -200,17 +110,16 @@ class LowRankController:
             self.scales = {n: min(self.shapes[n]) / max(sr, 1e-12) for n, sr in srs.items()}
             self.detector.observe(srs)
             self._record(0, srs)
-        self._trainable = lr_mod.trainable_params(model_of(self.engine))
+        self._trainable = lr_mod.trainable_params(self.engine.view)
 
     def _register_powersgd(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        from workbench.train.powersgd import PowerSGD
+        from workbench.lowrank.powersgd import PowerSGD
 
-        ddps = [p for p in getattr(self.engine, "parts", []) if
-                isinstance(p, DistributedDataParallel)]
+        ddps = [p for p in self.engine.parts if isinstance(p, DistributedDataParallel)]
         if not ddps:
-            if getattr(self.engine, "dp_size", 1) > 1:
+            if self.engine.dp_size > 1:
                 raise ConfigError("lowrank.mode", "powersgd",
                                   "PowerSGD is a DDP comm hook: use layout=ddp")
             print("warning: lowrank.mode=powersgd on one process: nothing to compress",
@@ -221,8 +130,12 @@ class LowRankController:
                                            max(2, self.lr.powersgd_start_iter),
                                            self.cfg.train.seed))
 
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.engine, self.cfg)
+    def make_optimizer(self, engine: Engine, cfg: RunConfig) -> torch.optim.Optimizer:
+        """AdamW as without hooks, except that low-rank factors get no weight decay (the
+        controller applies Frobenius decay on their product instead)."""
+        factors = {id(p) for p in lr_mod.factor_params(engine.view)}
+        return make_optimizer(engine.parameters(), cfg, fused=engine.device.type == "cuda",
+                              no_decay=factors)
 
     # --- per step ---
     def lr_factor(self, step: int) -> float:
@@ -241,7 +154,7 @@ class LowRankController:
                                      **self._pending}
         self._pending = {}
         if self.switch_step is not None and self.lr.frobenius_decay > 0:
-            frobenius_decay(model_of(self.engine), lr * self.lr.frobenius_decay)
+            frobenius_decay(self.engine.view, lr * self.lr.frobenius_decay)
         if self.mode not in ("adaptive", "fixed") or self.switch_step is not None:
             return optimizer, metrics
         total = self.cfg.train.steps
@@ -258,19 +171,19 @@ class LowRankController:
                   forced(step, total, self.lr.max_switch_frac)) and \
                 should_switch(self.detector, step, total, self.lr.min_switch_frac,
                               self.lr.max_switch_frac)
-        if not from_rank0(self.engine, bool(go)):
+        if not self.engine.from_rank0(bool(go)):
             return optimizer, metrics
         if self.mode == "adaptive" and not srs:  # forced by max_switch_frac between checks
             srs = self._measure()
-        layers = [lr_mod.LayerShape(n, *self.shapes[n]) for n in sorted(self.shapes)]
-        rank_map = lr_mod.rank_map_for(self.mode, self.lr, layers, self.scales, srs)
-        self.rank_map = from_rank0(self.engine, rank_map)
+        layers = [LayerShape(n, *self.shapes[n]) for n in sorted(self.shapes)]
+        rank_map = rank_map_for(self.mode, self.lr, layers, self.scales, srs)
+        self.rank_map = self.engine.from_rank0(rank_map)
         self.switch_step = step + 1
         convert_engine(self.engine, self.cfg, self.rank_map)
-        self._trainable = lr_mod.trainable_params(model_of(self.engine))
+        self._trainable = lr_mod.trainable_params(self.engine.view)
         metrics.update(self.switch_metrics())
         self._write_rank_map()
-        return self.make_optimizer(), metrics
+        return self.make_optimizer(self.engine, self.cfg), metrics
 
     def switch_metrics(self) -> dict[str, float]:
         out = {f"rank/{n}": float(r) for n, r in self.rank_map.items()}
@@ -282,7 +195,7 @@ class LowRankController:
     # --- measurement ---
     def _measure(self) -> dict[str, float]:
         """Stable rank of every candidate layer, on every rank alike (merged over stages)."""
-        model = model_of(self.engine)
+        model = self.engine.view
         found = lr_mod.candidates(model, self.lr, self.cfg.model.n_layers)
         if not self.probes:
             self.probes = lr_mod.make_probes(lr_mod.shapes(found), self.cfg.train.seed)
@@ -302,7 +215,7 @@ class LowRankController:
 
     # --- artifacts ---
     def _write_rank_map(self) -> None:
-        if not getattr(self.engine, "is_main", True) or not self.run_dir:
+        if not self.engine.is_main or not self.run_dir:
             return
         path = os.path.join(self.run_dir, "rank_map.json")
         body = {"mode": self.mode, "switch_step": self.switch_step,
@@ -317,16 +230,19 @@ class LowRankController:
 
     def finish(self) -> None:
         """The stable-rank plot (and the rank map again, for runs resumed after the switch)."""
-        if not getattr(self.engine, "is_main", True) or not self.run_dir or not self.history:
+        if not self.engine.is_main or not self.run_dir or not self.history:
             return
         path = os.path.join(self.run_dir, "stable_rank.png")
-        lr_mod.plot_stable_ranks(self.history, self.switch_step, path)
+        plot_stable_ranks(self.history, self.switch_step, path)
         self.tracker.log_artifact(path, "lowrank")
         if self.switch_step is not None:
             self._write_rank_map()
 
     # --- checkpoint ---
     def state_dict(self) -> dict[str, Any]:
+        return {KEY: self._state()}
+
+    def _state(self) -> dict[str, Any]:
         return {"mode": self.mode, "scales": dict(self.scales), "shapes": dict(self.shapes),
                 "probes": {n: p.state_dict() for n, p in self.probes.items()},
                 "detector": self.detector.state_dict(),
@@ -353,6 +269,8 @@ class LowRankController:
             hook.load_state_dict(saved)
 
 
-def make_controller(cfg: RunConfig, engine: Any, tracker: Any,
-                    run_dir: str) -> LowRankController:
+def make_hooks(cfg: RunConfig, engine: Engine, tracker: Any, run_dir: str) -> LoopHooks:
+    """The loop hooks for `lowrank.mode`: none (the defaults) when it is off."""
+    if cfg.lowrank.mode == "off":
+        return LoopHooks()
     return LowRankController(cfg, engine, tracker, run_dir)

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from workbench import compat
 from workbench.layout import Layout
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -74,10 +75,6 @@ class Mesh:
         present = tuple(n for n in names if n in self.dims)
         return self.mesh[present if len(present) > 1 else present[0]]
 
-    def groups(self) -> List[Any]:
-        """Every process group of the mesh (for the communication counters)."""
-        return [self.mesh.get_group(n) for n in self.dims] if self.mesh is not None else []
-
     @property
     def dp_size(self) -> int:
         return self.size("dp_replicate") * self.size("dp_shard")
@@ -100,7 +97,8 @@ class Mesh:
 
 
 def build_mesh(layout: Layout, device: torch.device, rank: int) -> Mesh:
-    """One init_device_mesh call per engine; needs the default process group (main.py)."""
+    """One init_device_mesh call per rank; needs the default process group (main.py, or the
+    multi-rank harness)."""
     dims = mesh_shape(layout)
     if not dims:
         return Mesh(None, {}, rank)
@@ -118,7 +116,7 @@ def _fsdp_mesh(m: Mesh) -> DeviceMesh:
     if m.size("cp") == 1:
         return m.sub("dp_replicate", "dp_shard")
     assert m.mesh is not None
-    flat = m.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    flat = compat.flatten_mesh(m.mesh["dp_shard", "cp"], "dp_shard_cp")
     if "dp_replicate" not in m.dims:
         return flat
-    return DeviceMesh._concatenate([m.mesh["dp_replicate"], flat])
+    return compat.concatenate_meshes([m.mesh["dp_replicate"], flat])

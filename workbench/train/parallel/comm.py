@@ -9,9 +9,11 @@ count the tensor; all-gather counts the gathered output; reduce-scatter counts t
 input; point-to-point counts what this rank sends. Groups of one rank count nothing (nothing
 leaves the rank).
 
-All groups the backend creates in a process share one `ByteCounter` (DeviceMesh finds groups
-by a name derived from their ranks, so a collective may reach an older group of the same ranks);
-the engine reaches it through its default group.
+The caller creates the `ByteCounter` and hands it to both `init_process_group` and the engine.
+Every group the backend creates while that default group lives counts into it (DeviceMesh finds
+groups by a name derived from their ranks, so a collective may reach an older group of the same
+ranks). c10d registers a backend once per process, so the registered creator is told which
+counter to use by each `init_process_group` call, rather than owning one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from workbench import compat
 
 KINDS = ("allreduce", "reduce_scatter", "allgather", "p2p", "broadcast", "other")
 _BACKENDS = {"cpu": "wb_gloo", "cuda": "wb_nccl"}
@@ -50,11 +54,12 @@ class ByteCounter:
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
-        self.paused = True
+        """Collectives inside are not counted (nested uses restore the outer state)."""
+        outer, self.paused = self.paused, True
         try:
             yield
         finally:
-            self.paused = False
+            self.paused = outer
 
 
 class CountingGroup(dist.ProcessGroup):
@@ -118,7 +123,7 @@ class CountingGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         self._add("allgather", [output])
-        return self.inner._allgather_base(output, input, opts)
+        return compat.allgather_base(self.inner, output, input, opts)
 
     _allgather_base = all_gather_single
 
@@ -136,7 +141,7 @@ class CountingGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         self._add("reduce_scatter", [input])
-        return self.inner._reduce_scatter_base(output, input, opts)
+        return compat.reduce_scatter_base(self.inner, output, input, opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -198,46 +203,51 @@ def _last_after_waiting(works: list):
     return works[-1]
 
 
-def _create(backend_name: str, counter: ByteCounter):
-    def create(store, rank: int, size: int, timeout: timedelta) -> CountingGroup:
-        if _INNER[backend_name] == "gloo":
+class _Creator:
+    """What c10d calls to create each group of a counting backend: the real backend's group
+    wrapped in a CountingGroup that counts into `counter` (set by init_process_group)."""
+
+    def __init__(self, backend_name: str):
+        self.backend_name = backend_name
+        self.counter = ByteCounter()
+
+    def __call__(self, store: Any, rank: int, size: int, timeout: timedelta) -> CountingGroup:
+        if _INNER[self.backend_name] == "gloo":
             inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            inner = dist.ProcessGroupNCCL(store, rank, size, opts)
-        return CountingGroup(inner, rank, size, backend_name, counter)
-
-    return create
+            inner = dist.ProcessGroupNCCL(store, rank, size, compat.nccl_options(timeout))
+        return CountingGroup(inner, rank, size, self.backend_name, self.counter)
 
 
-def backend_for(device_type: str) -> str:
-    """The counting backend's name for a device type, registered with c10d on first use
-    (with the process's one ByteCounter)."""
+_CREATORS: Dict[str, _Creator] = {}  # c10d's registry is process-wide: one per backend name
+
+
+def _counting_backend(device_type: str, counter: ByteCounter) -> str:
+    """The counting backend's name for a device type (registered with c10d on first use),
+    pointed at `counter` for the groups created from now on."""
     name = _BACKENDS[device_type]
-    if name.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(name, _create(name, ByteCounter()),
-                                      devices=[device_type])
+    if name not in _CREATORS:
+        _CREATORS[name] = _Creator(name)
+        if not compat.backend_registered(name):
+            dist.Backend.register_backend(name, _CREATORS[name], devices=[device_type])
+    _CREATORS[name].counter = counter
     return name
 
 
-def counter_of(group: Any) -> Optional[ByteCounter]:
-    """The counter behind a group (the default group, say); None if it does not count."""
-    return group.counter if isinstance(group, CountingGroup) else None
-
-
-def init_process_group(device_type: str, rank: int, world_size: int,
-                       timeout_s: float = 600.0) -> None:
-    """Initialise the default group with the counting backend (env:// rendezvous from torchrun:
-    MASTER_ADDR, MASTER_PORT). main.py calls this once per rank and destroys it at the end.
+def init_process_group(device_type: str, rank: int, world_size: int, counter: ByteCounter,
+                       timeout_s: float = 600.0, store: Optional[Any] = None) -> None:
+    """Initialise the default group with the counting backend, counting into `counter` (which
+    the caller also hands to the engine). Rendezvous through `store` when given, else env://
+    from torchrun (MASTER_ADDR, MASTER_PORT). main.py and the multi-rank harness call this
+    once per rank and destroy the group at the end.
     WORKBENCH_COUNT_COMM=0 uses the plain backend instead (comm/* metrics are then 0): an escape
     hatch should a backend feature the wrapper does not forward be needed (it has been verified
     on gloo; NCCL through the wrapper is not verified yet)."""
     if os.environ.get("WORKBENCH_COUNT_COMM", "1") == "0":
         backend = "nccl" if device_type == "cuda" else "gloo"
     else:
-        backend = backend_for(device_type)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+        backend = _counting_backend(device_type, counter)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, store=store,
                             timeout=timedelta(seconds=timeout_s))
 
 

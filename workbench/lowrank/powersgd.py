@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
+from workbench import compat
+
 
 class PowerSGD:
     """One DDP module's PowerSGD: PyTorch's state object plus per-parameter error and Q."""
@@ -44,7 +46,7 @@ class PowerSGD:
         for name, g in zip(names, grads):
             n, m = g.shape[0], g.numel() // max(g.shape[0], 1)
             r = min(n, m, st.matrix_approximation_rank)
-            if psgd._should_compress(n, m, r, st.min_compression_rate)[0]:
+            if compat.powersgd_should_compress()(n, m, r, st.min_compression_rate)[0]:
                 by_shape[(n, m)].append((name, m * r, n * r))
         return [item for group in by_shape.values() for item in group]
 

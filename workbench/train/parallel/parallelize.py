@@ -3,8 +3,9 @@
 1. split pipeline stages (pipeline.py), so each later step sees only this rank's modules;
 2. context parallel: this rank's positions and the all-gather attention (context.py);
    then tensor parallel (+ sequence parallel) plans over the "tp" mesh dimension;
-3. activation checkpointing (recompute) per block;
-4. torch.compile per block (train.compile), keeping parameter names;
+3. activation checkpointing (recompute) per block, then
+4. torch.compile per block (train.compile), keeping parameter names (recompute.py: the same
+   two steps the single-process engine applies);
 5. data parallel last: FSDP2 `fully_shard` (HSDP when dp_replicate and dp_shard are both used,
    or when replication sits next to DTensor parameters), DDP when replication is all there is.
 
@@ -28,11 +29,11 @@ from torch.distributed.tensor.parallel import (
 
 from workbench.config import RunConfig, compute_dtype
 from workbench.layout import Layout
-from workbench.train.context import apply_cp
-from workbench.train.engine import apply_recompute
-from workbench.train.mesh import Mesh, build_mesh, uses_ddp, uses_fsdp
 from workbench.train.model import Transformer
-from workbench.train.pipeline import split_stage, stage_ids
+from workbench.train.parallel.context import apply_cp
+from workbench.train.parallel.mesh import Mesh, uses_ddp, uses_fsdp
+from workbench.train.parallel.pipeline import split_stage, stage_ids
+from workbench.train.parallel.recompute import apply_block_steps
 
 
 def tp_plan(model: Transformer, sequence_parallel: bool) -> Dict[str, object]:
@@ -73,17 +74,11 @@ def tp_plan(model: Transformer, sequence_parallel: bool) -> Dict[str, object]:
 
 def apply_tp(model: Transformer, mesh: Mesh, layout: Layout) -> None:
     if layout.tp > 1:
-        from workbench.train.lowrank import adapt_tp_plan
+        from workbench.lowrank.factorize import adapt_tp_plan
 
         plan = adapt_tp_plan(model, tp_plan(model, layout.sequence_parallel),
                              layout.sequence_parallel)
         parallelize_module(model, mesh.sub("tp"), plan)
-
-
-def apply_compile(model: Transformer) -> None:
-    """Compile block by block in place (Module.compile keeps parameter names for checkpoints)."""
-    for block in model.layers.values():
-        block.compile()
 
 
 def apply_fsdp(model: Transformer, mesh: Mesh, layout: Layout, dtype: str,
@@ -125,9 +120,7 @@ def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
         if layout.cp > 1:
             apply_cp(part, mesh.group("cp"), layout.cp, mesh.coord("cp"))
         apply_tp(part, mesh, layout)
-        apply_recompute(part, layout.recompute)
-        if cfg.train.compile:
-            apply_compile(part)
+        apply_block_steps(part, layout.recompute, cfg.train.compile)
         if uses_fsdp(layout):
             # Inside a pipeline, parameters stay gathered between micro-batches.
             apply_fsdp(part, mesh, layout, compute_dtype(cfg.train, cfg.cluster),
@@ -138,14 +131,3 @@ def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
         else:
             out.append(part)
     return out
-
-
-def make_parallel_engine(model: Transformer, cfg: RunConfig, layout: Layout,
-                         world: Dict[str, int], device: torch.device):
-    """Build the mesh once for this rank, parallelize the full seeded model, and wrap it in the
-    engine the training loop drives."""
-    from workbench.train.dist_engine import ParallelEngine
-
-    mesh = build_mesh(layout, device, world["rank"])
-    parts = parallelize(model, mesh, layout, cfg, device)
-    return ParallelEngine(parts, mesh, layout, cfg, device)

@@ -1,20 +1,23 @@
-"""The multi-rank engine: what `loop.Engine` asks for, over a parallelized model and its mesh.
+"""The multi-rank engine: the `Engine` protocol over a parallelized model and its mesh.
 
 The loop is the same for every layout; here live the differences: micro-batches run through a
 pipeline schedule or one module with gradient sync on the last micro-batch only; the reported
 loss is the global-batch mean on every rank; the gradient norm is summed over shards and stages;
-metrics (communication bytes, peak memory) are measured on every rank and reduced.
+metrics (communication bytes, peak memory) are measured on every rank and reduced, in one
+collective per step that also carries the stop signal.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional
+from contextlib import AbstractContextManager
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -23,15 +26,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
+from workbench import compat
 from workbench.config import RunConfig, compute_dtype
 from workbench.layout import Layout
-from workbench.train import comm
-from workbench.train.context import cp_positions
-from workbench.train.engine import autocast
-from workbench.train.loop import Batch, cpu_peak_rss_bytes
-from workbench.train.mesh import Mesh, uses_fsdp
+from workbench.train.engine import Batch, autocast, local_peak_mem_bytes
 from workbench.train.model import cross_entropy
-from workbench.train.pipeline import forward_only, make_schedule, stage_ids
+from workbench.train.parallel import comm
+from workbench.train.parallel.context import cp_positions
+from workbench.train.parallel.mesh import Mesh, build_mesh, uses_fsdp
+from workbench.train.parallel.parallelize import parallelize
+from workbench.train.parallel.pipeline import forward_only, make_schedule, stage_ids
 
 _PARTS = ("tok_embeddings", "pos_embeddings", "norm", "output")
 
@@ -54,29 +58,39 @@ def checkpoint_view(stages: List[nn.Module]) -> nn.Module:
 
 
 class ParallelEngine:
-    """World size > 1: DDP / FSDP2 / TP(+SP) / PP on one named mesh."""
+    """World size > 1: DDP / FSDP2 / TP(+SP) / PP on one named mesh. `counter` is the
+    ByteCounter the process group was created with (comm.init_process_group)."""
 
-    def __init__(self, parts: List[nn.Module], mesh: Mesh, layout: Layout, cfg: RunConfig,
-                 device: torch.device):
-        self.parts, self.mesh, self.layout, self.device = parts, mesh, layout, device
-        self.stages = [p.module if isinstance(p, DistributedDataParallel) else p for p in parts]
-        self.view = checkpoint_view(self.stages)
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, cfg: RunConfig,
+                 device: torch.device, counter: comm.ByteCounter):
+        self.mesh, self.layout, self.cfg, self.device = mesh, layout, cfg, device
+        self.counter = counter
         self.dp_rank, self.dp_size, self.is_main = mesh.dp_rank, mesh.dp_size, mesh.is_main
         # FSDP's mixed-precision policy casts parameters itself; otherwise autocast does.
         self.dtype = "fp32" if uses_fsdp(layout) else compute_dtype(cfg.train, cfg.cluster)
-        self.counter = comm.counter_of(dist.group.WORLD) or comm.ByteCounter()
-        self._stats: Optional[Dict[str, float]] = None
         # The sequence positions this rank holds under context parallelism (None: all).
         self.seq_index = cp_positions(cfg.model.seq_len, layout.cp, mesh.coord("cp")).to(device) \
             if layout.cp > 1 else None
+        self.rebuild(model)
+
+    def rebuild(self, model: nn.Module) -> None:
+        """Parallelize a full model over the same mesh, and run it from now on (DDP and FSDP2
+        cannot change the parameters under them, so a new model means new wrappers)."""
+        layout = self.layout
+        with self.uncounted():
+            parts = parallelize(model, self.mesh, layout, self.cfg, self.device)
+        self.parts = parts
+        self.stages = [p.module if isinstance(p, DistributedDataParallel) else p for p in parts]
+        self.view = checkpoint_view(self.stages)
         self.schedule = None
         if layout.pp > 1:
-            self.stage_indices = stage_ids(layout, mesh.pp_rank)
+            self.stage_indices = stage_ids(layout, self.mesh.pp_rank)
             n_stages = layout.pp * layout.virtual_stages
             self.has_first = 0 in self.stage_indices
             self.has_last = n_stages - 1 in self.stage_indices
-            self.schedule = make_schedule(parts, self.stage_indices, layout, device,
-                                          mesh.group("pp"), layout.grad_accum, cross_entropy)
+            self.schedule = make_schedule(parts, self.stage_indices, layout, self.device,
+                                          self.mesh.group("pp"), layout.grad_accum,
+                                          cross_entropy)
 
     def parameters(self) -> List[nn.Parameter]:
         return [p for s in self.stages for p in s.parameters()]
@@ -84,7 +98,6 @@ class ParallelEngine:
     # --- steps ---
     def train_step(self, micro_batches: List[Batch]) -> float:
         self.counter.reset()
-        self._stats = None
         for p in self.parts:
             p.train()
         micro_batches = [self._local(mb) for mb in micro_batches]
@@ -207,7 +220,7 @@ class ParallelEngine:
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            compat.foreach_mul_(grads, coef.to(grads[0].dtype))
         return float(norm)
 
     # --- checkpoints: FQN-keyed (DTensor) state for torch.distributed.checkpoint ---
@@ -224,35 +237,48 @@ class ParallelEngine:
                               state: Dict[str, Any]) -> None:
         set_optimizer_state_dict(self.view, optimizer, state)
 
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        with self.uncounted():
+            full = get_model_state_dict(self.view,
+                                        options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().to("cpu") for k, v in full.items()}
+
     # --- agreement and metrics ---
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if it is true on one (a stop signal reaching only some ranks)."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        with self.counter.uncounted():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
+    def step_stats(self, stop: bool) -> Tuple[Dict[str, float], bool]:
+        """Peak memory (max over ranks), bytes by kind (mean over ranks) and the stop signal
+        (true everywhere if true on one rank: a signal that reached only some ranks), in one
+        uncounted all-gather per step."""
+        counts = self.counter.totals()
+        vec = torch.tensor([float(counts[k]) for k in comm.KINDS]
+                           + [local_peak_mem_bytes(self.device), 1.0 if stop else 0.0],
+                           dtype=torch.float64, device=self.device)
+        world = dist.get_world_size()
+        out = torch.empty(world * vec.numel(), dtype=torch.float64, device=self.device)
+        with self.uncounted():
+            dist.all_gather_single(out, vec)
+        out = out.view(world, vec.numel())
+        n = len(comm.KINDS)
+        stats = {"peak_mem_bytes": float(out[:, n].max()),
+                 **comm.metric_dict(dict(zip(comm.KINDS, out[:, :n].mean(dim=0).tolist())))}
+        return stats, bool(out[:, n + 1].max() > 0)
 
-    def _step_stats(self) -> Dict[str, float]:
-        """Bytes by kind (mean over ranks) and peak memory (max over ranks), gathered once per
-        step with uncounted collectives."""
-        if self._stats is None:
-            counts = self.counter.totals()
-            peak = float(torch.cuda.max_memory_allocated(self.device)) \
-                if self.device.type == "cuda" else cpu_peak_rss_bytes()
-            vec = torch.tensor([float(counts[k]) for k in comm.KINDS] + [peak],
-                               dtype=torch.float64, device=self.device)
-            out = torch.empty(dist.get_world_size() * vec.numel(), dtype=torch.float64,
-                              device=self.device)
-            with self.counter.uncounted():
-                dist.all_gather_single(out, vec)
-            out = out.view(dist.get_world_size(), vec.numel())
-            mean = out[:, :-1].mean(dim=0).tolist()
-            self._stats = comm.metric_dict(dict(zip(comm.KINDS, mean)))
-            self._stats["peak_mem_bytes"] = float(out[:, -1].max())
-        return self._stats
+    def uncounted(self) -> AbstractContextManager:
+        return self.counter.uncounted()
 
-    def comm_bytes(self) -> Dict[str, float]:
-        return {k: v for k, v in self._step_stats().items() if k.startswith("comm/")}
+    def gather_objects(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * dist.get_world_size()
+        with self.uncounted():
+            dist.all_gather_object(out, obj)
+        return out
 
-    def peak_mem_bytes(self) -> float:
-        return self._step_stats()["peak_mem_bytes"]
+    def from_rank0(self, obj: Any) -> Any:
+        box = [obj]
+        with self.uncounted():
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def make_parallel_engine(model: nn.Module, cfg: RunConfig, layout: Layout, rank: int,
+                         device: torch.device, counter: comm.ByteCounter) -> ParallelEngine:
+    """Build the mesh once for this rank, and the engine around the full seeded model."""
+    return ParallelEngine(model, build_mesh(layout, device, rank), layout, cfg, device, counter)
