@@ -1,7 +1,7 @@
 """Context parallelism (train/parallel/context.py): the head-tail split gives every cp rank the
 sequence once and the same causal work; a GPT-2-family model (learned positions, tied
-embeddings) and a grouped-query model train under cp=2 with the single-process losses. The Llama-family cases at
-2 and 4 ranks are in test_parallel.py and test_parallel_4ranks.py."""
+embeddings) and a grouped-query model train under cp=2 with the single-process losses. The
+Llama-family cases at 2 and 4 ranks are in test_parallel.py and test_parallel_4ranks.py."""
 
 from __future__ import annotations
 
