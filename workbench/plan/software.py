@@ -49,8 +49,8 @@ class Software:
     cp_load_balance: bool = True
     # Context parallel by one all-gather of K/V per layer (Llama 3; this repository's engine,
     # train/parallel/context.py) instead of a ring: attention is one kernel over the whole
-    # sequence, the gather (forward) and reduce-scatter of dK/dV (backward) are not overlapped, and the
-    # gathered K/V of the other cp ranks stay stored for the backward.
+    # sequence, the gather (forward) and reduce-scatter of dK/dV (backward) are not overlapped,
+    # and the gathered K/V of the other cp ranks stay stored for the backward.
     cp_allgather: bool = False
     # Activations laid out (batch, seq, hidden) with sequence parallel sharding dim 1
     # (torchtitan, this engine) rather than Megatron's sequence-first layout: with more than one
