@@ -185,3 +185,15 @@ def test_readme_block_runs(block: Block, clone: Path):
     proc = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True,
                           timeout=1500, env=env)
     assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+
+
+def test_reading_the_code_lists_every_module_once():
+    text = README.read_text()
+    section = text[text.index("## Reading the code"):]
+    section = section[:section.index("\n## ", 1)]
+    listed = re.findall(r"^- `(workbench/[\w/.]+)`", section, flags=re.M)
+    modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "workbench").rglob("*.py")
+                     if p.stat().st_size > 0)
+    assert sorted(x for x in listed if x.endswith(".py")) == modules
+    assert len(listed) == len(set(listed))
+    assert all((REPO / x).exists() for x in listed)
