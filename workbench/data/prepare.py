@@ -15,7 +15,7 @@ import itertools
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from workbench.cli import ArgParser, InputError, guarded
 from workbench.data import shards
@@ -44,16 +44,6 @@ def _parser() -> ArgParser:
     return ap
 
 
-def _capped(docs: Iterator[Tuple[str, str]], max_bytes: int) -> Iterator[Tuple[str, str]]:
-    total = 0
-    for key, text in docs:
-        if total >= max_bytes:
-            return
-        text = text[: max_bytes - total]
-        total += len(text)
-        yield key, text
-
-
 def _tokenizer(args: Any, src: List[str], out: Path) -> toks.Tok:
     """The tokenizer to use; a trained one is reused from OUT when a killed prepare resumes."""
     if not args.train_tokenizer:
@@ -68,7 +58,7 @@ def _tokenizer(args: Any, src: List[str], out: Path) -> toks.Tok:
             if tok.vocab == args.train_tokenizer:
                 return tok
     _, docs = _open(args, src)
-    sample = (t for _, t in _capped(docs, int(args.train_sample_mb * 1e6)))
+    sample = (t for _, t in shards.capped(docs, int(args.train_sample_mb * 1e6)))
     tok = toks.train_bpe(sample, args.train_tokenizer)
     shards.atomic_write(trained, (tok.json or "").encode())
     return tok
@@ -77,7 +67,7 @@ def _tokenizer(args: Any, src: List[str], out: Path) -> toks.Tok:
 def _open(args: Any, src: List[str]):
     suffixes = tuple(args.suffix or TEXT_SUFFIXES)
     source, docs = open_source(src, args.text_field, args.hf_config, args.hf_split, suffixes)
-    return source, _capped(docs, args.max_bytes)
+    return source, shards.capped(docs, args.max_bytes)
 
 
 def prepare(argv: List[str]) -> Tuple[Dict[str, Any], Path]:

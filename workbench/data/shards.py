@@ -28,6 +28,18 @@ STATE = ".prepare.json"  # settings of an unfinished prepare; resuming needs the
 ENCODE_CHARS = 1 << 20  # text per encode_batch call inside a worker: bounds its memory
 
 
+def capped(docs: Iterable[Tuple[str, Any]], max_units: int) -> Iterable[Tuple[str, Any]]:
+    """(key, text or bytes) documents until `max_units` characters or bytes have passed; the
+    last one is cut to fit, so a size limit is exact whatever the documents' lengths."""
+    total = 0
+    for key, text in docs:
+        if total >= max_units:
+            return
+        text = text[: max_units - total]
+        total += len(text)
+        yield key, text
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

@@ -108,16 +108,11 @@ def cache_root(cfg: DataConfig) -> Path:
 def write_shards(texts, out: Path, val_frac: float, max_bytes: int, source: str) -> TokenData:
     """Byte-tokenize (name, bytes) pairs into train.bin/val.bin + meta.json (the legacy layout
     of the embedded default corpus, kept so its runs stay bitwise what they were)."""
-    from workbench.data.shards import is_val
+    from workbench.data.shards import capped, is_val
 
     train: List[bytes] = []
     val: List[bytes] = []
-    total = 0
-    for name, data in texts:
-        if total >= max_bytes:
-            break
-        data = data[: max_bytes - total]
-        total += len(data)
+    for name, data in capped(texts, max_bytes):
         (val if is_val(name, val_frac) else train).append(data + b"\n")
     if not val and train:  # tiny inputs: keep at least one file for validation
         val.append(train.pop())
