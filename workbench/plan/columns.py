@@ -30,31 +30,25 @@ Columns = dict[str, np.ndarray]
 
 
 class Recompute(IntEnum):
-    """How much of a layer's forward the backward recomputes (Layout.recompute by `label`)."""
+    """How much of a layer's forward the backward recomputes."""
 
     NONE = 0
     SELECTIVE = 1
     FULL = 2
 
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
 
 class Schedule(IntEnum):
-    """Pipeline schedule (Layout.pp_schedule by `label`)."""
+    """Pipeline schedule."""
 
     GPIPE = 0
     ONE_F_ONE_B = 1
     INTERLEAVED_1F1B = 2
 
-    @property
-    def label(self) -> str:
-        return ("gpipe", "1f1b", "interleaved_1f1b")[self]
 
-
-RECOMPUTE: tuple[str, ...] = tuple(r.label for r in Recompute)
-SCHEDULES: tuple[str, ...] = tuple(s.label for s in Schedule)
+# The config's spellings in code order (Layout.recompute, Layout.pp_schedule hold these).
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+assert len(RECOMPUTE) == len(Recompute) and len(SCHEDULES) == len(Schedule)
 
 
 def code(choices: tuple[str, ...], label: str) -> int:
@@ -92,6 +86,6 @@ def layout_fields(a: Columns, i: int) -> dict[str, Any]:
     return {"dp_replicate": int(a["dpr"][i]), "dp_shard": int(a["dps"][i]), "tp": int(a["tp"][i]),
             "pp": int(a["pp"][i]), "cp": int(a["cp"][i]), "sequence_parallel": bool(a["sp"][i]),
             "micro_batch": int(a["mb"][i]), "grad_accum": int(a["ga"][i]),
-            "recompute": Recompute(int(a["rc"][i])).label,
-            "pp_schedule": Schedule(int(a["sched"][i])).label,
+            "recompute": RECOMPUTE[Recompute(int(a["rc"][i]))],
+            "pp_schedule": SCHEDULES[Schedule(int(a["sched"][i]))],
             "virtual_stages": int(a["v"][i])}

@@ -59,7 +59,7 @@ class _Space:
     cp: list[int]
     mb: list[int]
     dp_mode: tuple[str, ...] = ("shard", "hybrid", "replicate")
-    sched: tuple[str, ...] = tuple(f"{s.label}-v{v}" for s, v in SCHED_V)
+    sched: tuple[str, ...] = tuple(f"{SCHEDULES[s]}-v{v}" for s, v in SCHED_V)
 
     def suggest(self, trial: optuna.Trial) -> dict:
         p = {k: trial.suggest_int(f"{k}_i", 0, len(getattr(self, k)) - 1)
