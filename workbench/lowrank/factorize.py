@@ -20,6 +20,7 @@ from torch import nn
 
 from workbench.config import LowRankConfig
 from workbench.lowrank.ranks import LayerShape
+from workbench.train.model import trainable_params
 
 # Linear layers of a block that may be factorized; the tensor-parallel style of each base
 # layer decides how its factors are sharded (see tp_styles).
@@ -155,16 +156,6 @@ def factor_params(model: nn.Module) -> list[nn.Parameter]:
     """The weights of every low-rank factor (they get Frobenius decay, not weight decay)."""
     return [p for m in model.modules() if isinstance(m, LowRankLinear)
             for p in (m.u.weight, m.v.weight)]
-
-
-def trainable_params(model: nn.Module) -> int:
-    """Trainable parameters, each shared tensor once; a DTensor counts its global size."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
 
 
 def dp_grad_bytes(model: nn.Module, bytes_per_elem: int = 4) -> int:

@@ -22,6 +22,7 @@ from workbench.track.tracker import Tracker
 from workbench.train.checkpoint.whole import CheckpointDir, rng_state, set_rng_state
 from workbench.train.engine import Batch, Engine
 from workbench.train.hooks import LoopHooks
+from workbench.train.model import trainable_params
 from workbench.train.optimizer import lr_at
 
 
@@ -111,6 +112,7 @@ def train(ctx: LoopContext) -> Dict[str, float]:
     hooks.prepare(ctx.ckpt)  # restores its state (factorized shapes) before the optimizer
     optimizer = hooks.make_optimizer(ctx.engine, cfg)
     start = resume(ctx, optimizer)
+    trainable = float(trainable_params(ctx.engine.view))  # hooks report it anew if it changes
     # Per key, the last step already recorded by an earlier attempt of this run.
     logged = {k: ctx.tracker.last_logged_step(k) if start > 0 else -1
               for k in ("loss", "val_loss")}
@@ -147,7 +149,8 @@ def train(ctx: LoopContext) -> Dict[str, float]:
         last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time_s,
                 "tokens_per_s": tokens_per_s,
                 "mfu": ctx.flops_per_token * tokens_per_s
-                / (ctx.peak_flops_per_device * ctx.world_size), **stats}
+                / (ctx.peak_flops_per_device * ctx.world_size),
+                "params/trainable": trainable, **stats}
         optimizer, extra = hooks.after_step(step, optimizer, lr)
         last.update(extra)
         if step == start:  # startup cost as a user feels it: process start to first step done

@@ -225,3 +225,15 @@ def build(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Tr
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def trainable_params(model: nn.Module) -> int:
+    """Trainable parameters, each shared tensor once; a DTensor counts its global size. Every
+    run logs it (`params/trainable`): low-rank training changes it mid-run, and the gradient
+    bytes data parallelism moves per step follow it."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
