@@ -12,7 +12,7 @@ arguments (`SMALL` below); nothing else is changed. A marker line
 - `ci`: the test command, which .ci/run itself runs (it is not run from inside the tests);
 - `slurm`: runs under the slurm marker (the local cluster of slurm/);
 - `gpu`, `network`: composed but not run (no GPU, no network here): every `workbench.run` /
-  `workbench.plan` command in it must compose, and every benchmark must answer --help;
+  `workbench.plan` command in it must compose, and every other command must answer --help;
 - `slow`: marked slow (CI still runs it).
 """
 
@@ -162,8 +162,9 @@ def _compose_only(block: Block, cwd: Path) -> None:
         words = shlex.split(cmd, comments=True)
         if words[:3] in (["python", "-m", "workbench.run"], ["python", "-m", "workbench.plan"]):
             compose([w for w in words[3:] if not w.startswith("-")])
-        elif words[0] == "python" and words[1].startswith("benchmarks/"):
-            proc = subprocess.run(["python", words[1], "--help"], cwd=cwd, capture_output=True,
+        elif words[0] == "python" and (words[1].startswith("benchmarks/") or words[1] == "-m"):
+            entry = words[1:2] if words[1] != "-m" else words[1:3]
+            proc = subprocess.run(["python", *entry, "--help"], cwd=cwd, capture_output=True,
                                   text=True, timeout=120)
             assert proc.returncode == 0, (block.id, cmd, proc.stderr[-2000:])
         else:
