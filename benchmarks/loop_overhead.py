@@ -25,12 +25,13 @@ import torch
 from workbench.cli import compose
 from workbench.data.corpus import batch_offsets, gather, load
 from workbench.job import Job
-from workbench.run import prepare_job
+from workbench.submit import prepare_job
 from workbench.track.tracker import make_tracker
 from workbench.train import loop
 from workbench.train.checkpoint.whole import CheckpointDir
 from workbench.train.engine.local import LocalEngine
 from workbench.train.model import build, cross_entropy, flops_per_token
+from workbench.train.optimizer import lr_at, make_optimizer
 
 WARMUP = 5
 
@@ -38,7 +39,7 @@ WARMUP = 5
 def bare_tokens_per_s(cfg, data, steps: int) -> float:
     """The hand-written baseline: nothing but the math of a training step."""
     model = build(cfg.model, cfg.train.seed)
-    opt = loop.make_optimizer(list(model.parameters()), cfg)
+    opt = make_optimizer(list(model.parameters()), cfg)
     tokens = data.train.array()
     seq, n = cfg.model.seq_len, cfg.train.global_batch
     t_start = 0.0
@@ -46,7 +47,7 @@ def bare_tokens_per_s(cfg, data, steps: int) -> float:
         if step == WARMUP:
             t_start = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = loop.lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg)
         x, y = gather(tokens, batch_offsets(cfg.train.seed, "train", step, n, len(tokens), seq),
                       seq)
         loss = cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
