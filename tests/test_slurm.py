@@ -166,13 +166,16 @@ def test_requeue_and_time_limit_signal_resume_into_the_same_run(workdir):
                     reason="2-6 min on 2 cores; WORKBENCH_SLURM_TIMELIMIT=1 (or CI) runs it "
                            "(the USR2 path itself is covered by the requeue test)")
 def test_real_time_limit_checkpoints_requeues_and_finishes(workdir):
-    """launcher.time_min=1: Slurm's own USR2 warning arrives mid-run (Slurm's ~30 s tick makes
+    """launcher.time_min=2: Slurm's own USR2 warning arrives mid-run (Slurm's ~30 s tick makes
     each attempt last 15-30 s), again after each requeue; the run still ends FINISHED with
     every step recorded once."""
     # Long enough (~60-90 s of compute on one thread) that the first USR2 (30 s before the
     # 1-minute limit, give or take Slurm's 30 s tick) always lands mid-run, even on an idle box.
     steps = 300
-    args = ["launcher=slurm", "launcher.time_min=1", f"train.steps={steps}",
+    # A 2-minute limit: the warning comes ~60 s in (give or take the tick). With 1 minute, an
+    # attempt here lasted ~30 s of which ~25 s were process start, and 300 steps needed more
+    # requeues than submitit allows (seen with this code and the previous landing's alike).
+    args = ["launcher=slurm", "launcher.time_min=2", f"train.steps={steps}",
             "train.global_batch=16", "train.micro_batch=16", "train.ckpt_every=50",
             "train.eval_every=50", "train.warmup_steps=2", "train.threads=1",
             "data.max_bytes=1000000"]
