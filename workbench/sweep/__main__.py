@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from workbench.cli import InputError, guarded
+from workbench.places import SWEEPS_DIR
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +27,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = _Parser(prog="python -m workbench.sweep", add_help=True)
     p.add_argument("command", choices=["status", "collect"])
     p.add_argument("name")
-    p.add_argument("--dir", default="sweeps", help="parent folder of the sweep state")
+    p.add_argument("--dir", default=SWEEPS_DIR, help="parent folder of the sweep state")
     p.add_argument("--wait", action="store_true", help="collect: until every trial ended")
     p.add_argument("--rejected", action="store_true", help="also list rejected layouts")
     return p.parse_args(argv)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from workbench.config import ConfigError, RunConfig
+from workbench.places import SWEEPS_DIR
 
 # Metrics the training loop logs, with the direction that makes them better.
 LOGGED_METRICS: dict[str, str] = {
@@ -44,7 +45,7 @@ class SweepConfig:
     resume: bool = False
     detach: bool = False  # submit and return; then `python -m workbench.sweep status|collect`
     poll_s: float = 2.0
-    dir: str = "sweeps"  # sweep state lives in DIR/NAME
+    dir: str = SWEEPS_DIR  # sweep state lives in DIR/NAME
 
 
 @dataclass(frozen=True)
