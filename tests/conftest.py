@@ -57,3 +57,11 @@ def only_run(experiment: str = "workbench"):
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1, [r.info.run_id for r in runs]
     return runs[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, every test that uses the one-node Slurm cluster runs on one worker
+    (its two CPUs are one resource), and the longest tests are handed out first."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
