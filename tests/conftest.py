@@ -59,9 +59,36 @@ def only_run(experiment: str = "workbench"):
     return runs[0]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist every worker gets its share of the cores: each process it starts (and
+    the worker itself) runs torch on cores // workers threads. Left at torch's default, every
+    process spins one thread per core and two workers on 2 cores run several times slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, share)
+
+
+# Tests that run for minutes go first, so that pytest-xdist's workers finish together instead of
+# one idling while the other runs the last long test (longest-first scheduling).
+LONG = ("test_slurm.py", "test_readme.py::test_readme_block_runs[L574]",
+        "test_default_run.py::test_default_run", "test_readme.py::test_readme_block_runs[L61]",
+        "test_repro_resume.py::test_sigkill", "test_parallel_4ranks.py", "test_parallel.py",
+        "test_cpu_gpu_paths.py", "test_lowrank_ddp.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, every test that uses the one-node Slurm cluster runs on one worker
-    (its two CPUs are one resource), and the longest tests are handed out first."""
+    """Every test that uses the one-node Slurm cluster runs on one pytest-xdist worker (its two
+    CPUs are one resource), that group first, then the other long tests."""
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+
+    def rank(item) -> tuple:
+        slurm = item.get_closest_marker("slurm") is not None
+        long = next((i for i, key in enumerate(LONG) if key in item.nodeid), len(LONG))
+        slow = item.get_closest_marker("slow") is not None
+        return (not slurm, long, not slow)
+
+    items.sort(key=rank)  # stable: collection order within a rank
