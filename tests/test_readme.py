@@ -38,6 +38,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/parallel_cpu.py": ["--steps", "2"],
     "benchmarks/lowrank_cpu.py": ["--steps", "12"],
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
+    "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
 }
 
 
