@@ -65,13 +65,15 @@ def folder_docs(src: Path, suffixes: Tuple[str, ...]) -> Tuple[Dict[str, Any], D
             "fingerprint": _file_fingerprint(files, src), "files": len(files)}, docs()
 
 
-def _rows(ds: Any, text_field: str, name: str) -> Docs:
-    """(key, text) from dataset rows; bad rows or unreadable files end as one-line errors."""
-    it = iter(ds)
+def _rows(ds: Any, text_field: str, name: str, batch_rows: int = 1024) -> Docs:
+    """(key, text) from dataset rows, read in columnar batches (Arrow to Python once per
+    batch, not per row: the reader stays ahead of the encoding workers); bad rows or
+    unreadable files end as one-line errors."""
+    it = iter(ds.iter(batch_size=batch_rows))
     i = 0
     while True:
         try:
-            row = next(it)
+            batch = next(it)
         except StopIteration:
             return
         except InputError:
@@ -79,18 +81,18 @@ def _rows(ds: Any, text_field: str, name: str) -> Docs:
         except Exception as e:  # pyarrow / datasets errors on malformed or undecodable files
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise InputError(f"src={name!r}: cannot read row {i} ({first[:160]})") from None
-        if text_field not in row:
+        if text_field not in batch:
             raise InputError(f"--text-field={text_field!r}: not a field of {name!r}; fields: "
-                             f"{', '.join(map(str, row))}")
-        text = row[text_field]
-        if text is None:
-            text = ""
-        if not isinstance(text, str):
-            raise InputError(f"--text-field={text_field!r}: holds {type(text).__name__}, not "
-                             f"text, in {name!r}")
-        if text:
-            yield str(i), text
-        i += 1
+                             f"{', '.join(map(str, batch))}")
+        for text in batch[text_field]:
+            if text is None:
+                text = ""
+            if not isinstance(text, str):
+                raise InputError(f"--text-field={text_field!r}: holds {type(text).__name__}, "
+                                 f"not text, in {name!r}")
+            if text:
+                yield str(i), text
+            i += 1
 
 
 def file_docs(files: List[Path], text_field: str) -> Tuple[Dict[str, Any], Docs]:
