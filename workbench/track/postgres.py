@@ -124,6 +124,10 @@ class Postgres:
         """initdb once; the password file once (reused by every later start)."""
         for d in (self.data, self.sock, self.log.parent):
             d.mkdir(parents=True, exist_ok=True)
+        if self.owner and subprocess.run(["runuser", "-u", "postgres", "--", "test", "-x",
+                                          str(self.dir)], check=False).returncode:
+            raise InputError(f"--dir {self.dir}: PostgreSQL runs as `postgres`, which cannot "
+                             "reach that folder (a parent lacks o+x); pick one it can reach")
         self._chown(self.data)
         self._chown(self.sock)
         if not self.pgpass.exists():

@@ -139,6 +139,18 @@ def _auth_config(state_dir: Path, pg: Postgres) -> Path:
     return path
 
 
+def _secret(path: Path) -> str:
+    """A random key made once and kept (mode 0600): the auth app signs its CSRF tokens with it,
+    and every worker and every restart must use the same one."""
+    if not path.exists():
+        import secrets
+
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
 def _allowed_hosts(s: Settings) -> List[str]:
     if s.host in LOOPBACK:
         return []
@@ -164,6 +176,7 @@ def start_mlflow(state_dir: Path, s: Settings, pg: Postgres, secrets_env: Dict[s
            *_allowed_hosts(s)]
     if s.auth:
         env["MLFLOW_AUTH_CONFIG_PATH"] = str(_auth_config(state_dir, pg))
+        env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = _secret(state_dir / "flask_secret")
         cmd += ["--app-name", "basic-auth"]
     with open(state_dir / "log" / "mlflow.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
@@ -178,10 +191,23 @@ def wait_healthy(state_dir: Path, uri: str, timeout_s: float) -> None:
         if healthy(uri):
             return
         if mlflow_pid(state_dir) is None:
-            raise InputError(f"mlflow server exited at start; log: {state_dir}/log/mlflow.log")
+            raise InputError(f"mlflow server exited at start ({_last_line(state_dir)}); "
+                             f"log: {state_dir}/log/mlflow.log")
         time.sleep(0.5)
     raise InputError(f"mlflow server did not answer {uri}/health within {timeout_s:.0f} s; "
                      f"log: {state_dir}/log/mlflow.log")
+
+
+def _last_line(state_dir: Path) -> str:
+    try:
+        lines = (state_dir / "log" / "mlflow.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    import re
+
+    last = [ln.strip() for ln in lines if ln.strip() and not ln.startswith(" ")]
+    errors = [ln for ln in last if re.match(r"[\w.]*(Error|Exception)\b", ln)]
+    return (errors or last or ["no output"])[-1][:300]
 
 
 def stop_mlflow(state_dir: Path, timeout_s: float = 20.0) -> bool:
