@@ -252,6 +252,7 @@ def _recorded(state_dir: Path) -> Optional[Settings]:
 
 
 def start(state_dir: Path, s: Settings, auth_file: Optional[Path], wait_s: float) -> int:
+    secrets_env = _read_credentials(auth_file) if s.auth else {}  # bad input: nothing written
     state_dir.mkdir(parents=True, exist_ok=True)
     before = _recorded(state_dir)
     if before is not None and before != s and (mlflow_pid(state_dir) or
@@ -259,7 +260,6 @@ def start(state_dir: Path, s: Settings, auth_file: Optional[Path], wait_s: float
         raise InputError(f"{state_dir} already serves {asdict(before)}; stop it first "
                          f"(python -m workbench.track.server stop --dir {state_dir}) or use "
                          "another --dir")
-    secrets_env = _read_credentials(auth_file) if s.auth else {}
     ensure_installed()
     pg = Postgres(state_dir, s.host, s.pg_port)
     pg.init()
