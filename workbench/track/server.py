@@ -159,7 +159,8 @@ def _allowed_hosts(s: Settings) -> List[str]:
     return ["--allowed-hosts", ",".join(pats + ["10.*", "192.168.*", "172.*"])]
 
 
-def start_mlflow(state_dir: Path, s: Settings, pg: Postgres, secrets_env: Dict[str, str]) -> int:
+def start_mlflow(state_dir: Path, s: Settings, pg: Postgres,
+                 secrets_env: Dict[str, str]) -> subprocess.Popen:
     """Start `mlflow server` in a session of its own; its pid (= process group) goes to
     DIR/run/mlflow.pid."""
     if port_in_use(s.host, s.port):
@@ -182,15 +183,18 @@ def start_mlflow(state_dir: Path, s: Settings, pg: Postgres, secrets_env: Dict[s
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                 cwd=state_dir, start_new_session=True)
     (state_dir / "run" / "mlflow.pid").write_text(f"{proc.pid}\n")
-    return proc.pid
+    return proc
 
 
-def wait_healthy(state_dir: Path, uri: str, timeout_s: float) -> None:
+def wait_healthy(state_dir: Path, uri: str, timeout_s: float,
+                 proc: Optional[subprocess.Popen] = None) -> None:
+    """Wait for /health. The server just started is watched through its Popen: right after
+    exec, /proc/PID/cmdline can still read empty, which would look like a dead server."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if healthy(uri):
             return
-        if mlflow_pid(state_dir) is None:
+        if (proc.poll() is not None) if proc is not None else mlflow_pid(state_dir) is None:
             raise InputError(f"mlflow server exited at start ({_last_line(state_dir)}); "
                              f"log: {state_dir}/log/mlflow.log")
         time.sleep(0.5)
@@ -210,8 +214,10 @@ def _last_line(state_dir: Path) -> str:
     return (errors or last or ["no output"])[-1][:300]
 
 
-def stop_mlflow(state_dir: Path, timeout_s: float = 20.0) -> bool:
-    """TERM the server's process group, KILL what is left after timeout_s. False: not up."""
+def stop_mlflow(state_dir: Path, timeout_s: float = 5.0) -> bool:
+    """TERM the server's process group, KILL what is left after timeout_s (uvicorn otherwise
+    waits for idle keep-alive clients; the server holds no state, PostgreSQL does). False: not
+    up."""
     pid = mlflow_pid(state_dir)
     if pid is None:
         (state_dir / "run" / "mlflow.pid").unlink(missing_ok=True)
@@ -272,8 +278,8 @@ def start(state_dir: Path, s: Settings, auth_file: Optional[Path], wait_s: float
     local_uri = f"http://127.0.0.1:{s.port}" if s.host in ("0.0.0.0", "") else uri
     if mlflow_pid(state_dir) is None:
         t0 = time.time()
-        start_mlflow(state_dir, s, pg, secrets_env)
-        wait_healthy(state_dir, local_uri, wait_s)
+        proc = start_mlflow(state_dir, s, pg, secrets_env)
+        wait_healthy(state_dir, local_uri, wait_s, proc)
         print(f"mlflow server up in {time.time() - t0:.0f} s", file=sys.stderr)
     else:
         wait_healthy(state_dir, local_uri, wait_s)
