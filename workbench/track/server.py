@@ -75,7 +75,7 @@ class Settings:
 
     def client_host(self) -> str:
         """The name clients use: the bind address, or this machine's name when bound to all."""
-        return socket.getfqdn() if self.host in ("0.0.0.0", "", "::") else self.host
+        return socket.gethostname() if self.host in ("0.0.0.0", "", "::") else self.host
 
     def tracking_uri(self) -> str:
         return f"http://{self.client_host()}:{self.port}"
