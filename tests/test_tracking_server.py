@@ -122,7 +122,7 @@ def auth_server():
     state = Path(tempfile.mkdtemp(prefix="workbench-tracking-auth-", dir="/tmp"))
     os.chmod(state, 0o755)
     args = ["--dir", str(state), "--port", str(_free_port()), "--pg-port", str(_free_port()),
-            "--auth"]
+            "--workers", "1", "--auth"]  # one worker: it starts (twice) on a busy CI box
     env = {**os.environ, "MLFLOW_TRACKING_USERNAME": USER, "MLFLOW_TRACKING_PASSWORD": PASSWORD}
     start = [sys.executable, "-m", "workbench.track.server", "start", *args]
     proc = subprocess.run(start, capture_output=True, text=True, timeout=300, env=env)
