@@ -125,14 +125,20 @@ def auth_server():
             "--workers", "1", "--auth"]  # one worker: it starts (twice) on a busy CI box
     env = {**os.environ, "MLFLOW_TRACKING_USERNAME": USER, "MLFLOW_TRACKING_PASSWORD": PASSWORD}
     start = [sys.executable, "-m", "workbench.track.server", "start", *args]
+
+    def stop() -> None:  # whatever part of it did start
+        subprocess.run([sys.executable, "-m", "workbench.track.server", "stop", "--dir",
+                        str(state)], capture_output=True, text=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
+
     proc = subprocess.run(start, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode:
+        stop()
         _need(f"the --auth instance did not start: {proc.stderr.strip()[-500:]}")
-    info = {"state": state, "start": start, "env": env, **_env_file_vars(state / "env.sh")}
-    yield info
-    subprocess.run([sys.executable, "-m", "workbench.track.server", "stop", "--dir", str(state)],
-                   capture_output=True, text=True, timeout=120)
-    shutil.rmtree(state, ignore_errors=True)
+    try:
+        yield {"state": state, "start": start, "env": env, **_env_file_vars(state / "env.sh")}
+    finally:
+        stop()
 
 
 def test_auth_refuses_a_request_without_credentials(auth_server):
