@@ -27,6 +27,10 @@ CASES = [
     ("workbench.sweep", ["status"], "sweep"),
     ("workbench.plan", ["--no-such-flag"], "unrecognized arguments"),
     ("workbench.run", ["layout=nope"], "layout='nope': no such option; valid:"),
+    ("workbench.track.server", ["restart"], "invalid choice: 'restart'"),
+    ("workbench.track.server", ["start", "--dir", "srv", "--workers", "0"], "--workers=0"),
+    ("workbench.track.server", ["start", "--dir", "srv", "--auth", "--auth-file", "/no/such"],
+     "--auth-file /no/such: no such file"),
 ]
 
 

@@ -1,8 +1,9 @@
 """The README is a contract: every fenced ```bash block in it runs here, as a user would type it.
 
 A block runs as one bash script (top to bottom, `set -e`) in a fresh folder laid out like a
-clone (benchmarks/ and slurm/ linked from the repository, ../shared beside it), writing its
-MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus cache.
+clone (benchmarks/, slurm/ and tracking/ linked from the repository, ../shared beside it),
+writing its MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus
+cache.
 At CPU scale: `python -m workbench.run` gets a few steps, benchmarks get their smallest
 arguments (`SMALL` below); nothing else is changed. A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
@@ -114,7 +115,11 @@ def scaled(cmd: str) -> str:
         words = [w for w in words if w.split("=")[0] not in keys] + small
     elif len(words) >= 2 and words[0] == "python" and words[1] in SMALL:
         words = words + SMALL[words[1]]
-    return shlex.join(words) if "$(" not in cmd else cmd.split(" #")[0]
+    if "$(" in cmd:
+        return cmd.split(" #")[0]
+    # a word with $VAR expands as it would in the README (double quotes), the rest stay literal
+    return " ".join(f'"{w}"' if "$" in w and not set(w) & set('"`\\') else shlex.quote(w)
+                    for w in words)
 
 
 def _install_tail(cmd: str) -> str:
@@ -149,7 +154,7 @@ def clone(workdir) -> Path:
     """A folder laid out like a user's clone: the repository's scripts, ../shared beside it."""
     root = workdir / "clone"
     root.mkdir()
-    for name in ("benchmarks", "slurm", ".ci"):
+    for name in ("benchmarks", "slurm", "tracking", ".ci"):
         (root / name).symlink_to(REPO / name)
     shared = REPO.parent / "shared"
     if shared.is_dir():

@@ -55,22 +55,44 @@ class NullTracker:
         pass
 
 
+# Transient: sqlite says it is locked, or the server is unreachable or restarting. The texts are
+# what MlflowException carries: requests' "Max retries exceeded ... [Errno 111] Connection
+# refused" while the server is down, "Connection aborted" / "RemoteDisconnected" when it dies
+# mid-request, 502/503/504 from a proxy or a database deadlock.
+TRANSIENT = ("locked", "busy", "connection", "max retries", "timed out", "temporarily",
+             "remotedisconnected", "reset by peer", "503", "502", "504")
+
+
+def retry_window_s() -> float:
+    """How long a tracking call keeps retrying transient errors: WORKBENCH_TRACKING_RETRY_S,
+    default 300 s, so a server restart (15-30 s) or a database failover loses nothing."""
+    import os
+
+    try:
+        return max(0.0, float(os.environ.get("WORKBENCH_TRACKING_RETRY_S", "300")))
+    except ValueError:
+        return 300.0
+
+
 def with_retries(fn, *args, attempts: int = 12, **kwargs):
-    """Call fn, retrying with jittered exponential backoff while sqlite says it is locked or the
-    server is briefly unreachable: many trial processes share one store."""
-    delay = 0.05
-    for i in range(attempts):
+    """Call fn, retrying with jittered exponential backoff (capped at 5 s) while the error is
+    transient (TRANSIENT): many trial processes share one store, and a tracking server can be
+    restarted under a running job. At least `attempts` tries, and more until retry_window_s()
+    has passed since the first. (MLflow's own HTTP client already retries a refused connection
+    for about 4 minutes inside one call; this covers what surfaces past it.)"""
+    delay, deadline = 0.05, time.monotonic() + retry_window_s()
+    i = 0
+    while True:
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # MlflowException wraps OperationalError; match the text
             text = str(e).lower()
-            transient = any(s in text for s in ("locked", "busy", "connection", "timed out",
-                                                "temporarily", "503", "502"))
-            if not transient or i == attempts - 1:
+            i += 1
+            if not any(s in text for s in TRANSIENT) or \
+                    (i >= attempts and time.monotonic() >= deadline):
                 raise
             time.sleep(delay * (1 + random.random()))
-            delay = min(delay * 2, 2.0)
-    return None
+            delay = min(delay * 2, 5.0)
 
 
 class MlflowTracker:
@@ -87,6 +109,7 @@ class MlflowTracker:
         self._stop = False
         self._error: Optional[BaseException] = None
         self._flush_every_s = flush_every_s
+        self._send_lock = threading.Lock()  # one batch in flight: flush() waits for it
         self._thread = threading.Thread(target=self._worker, name="mlflow-writer", daemon=True)
         self._thread.start()
 
@@ -100,15 +123,22 @@ class MlflowTracker:
                 self._error = e
 
     def _drain(self) -> None:
+        """Send what is queued. A batch that fails for good goes back to the front of the queue
+        (the next flush or close sends it again; the server drops a metric it already has, same
+        key, step, value and timestamp), so an outage loses no metric and duplicates no step."""
         from mlflow.entities import Metric
 
-        with self._lock:
-            items, self._queue = self._queue, []
-        if not items:
-            return
-        ms = [Metric(k, float(v), ts, step) for (k, v, ts, step) in items]
-        for i in range(0, len(ms), 900):  # the REST API caps a batch at 1000 metrics
-            with_retries(self.client.log_batch, self.run_id, metrics=ms[i:i + 900])
+        with self._send_lock:
+            with self._lock:
+                items, self._queue = self._queue, []
+            for i in range(0, len(items), 900):  # the REST API caps a batch at 1000 metrics
+                ms = [Metric(k, float(v), ts, step) for (k, v, ts, step) in items[i:i + 900]]
+                try:
+                    with_retries(self.client.log_batch, self.run_id, metrics=ms)
+                except BaseException:
+                    with self._lock:
+                        self._queue[:0] = items[i:]
+                    raise
 
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         ts = int(time.time() * 1000)
@@ -137,10 +167,10 @@ class MlflowTracker:
         return max((m.step for m in hist), default=-1)
 
     def flush(self) -> None:
+        """Send everything queued before returning (a checkpoint follows). A batch the writer
+        thread failed to send went back to the queue, so it is sent here or this raises."""
         self._drain()
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
+        self._error = None
 
     def close(self, status: str = "FINISHED") -> None:
         self._stop = True
