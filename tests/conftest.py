@@ -72,22 +72,39 @@ def pytest_configure(config):
 
 # Tests that run for minutes go first, so that pytest-xdist's workers finish together instead of
 # one idling while the other runs the last long test (longest-first scheduling).
-LONG = ("test_slurm.py", "test_readme.py::test_readme_block_runs[L574]",
-        "test_default_run.py::test_default_run", "test_readme.py::test_readme_block_runs[L61]",
+LONG = ("test_slurm.py", "test_tracking_server.py", "test_default_run.py::test_default_run",
         "test_repro_resume.py::test_sigkill", "test_parallel_4ranks.py", "test_parallel.py",
         "test_cpu_gpu_paths.py", "test_lowrank_ddp.py")
 
 
+# Modules whose tests share one expensive module-scoped fixture (a matrix of multi-rank runs).
+SHARED_MODULE_FIXTURE = ("test_parallel.py", "test_parallel_4ranks.py", "test_lowrank_parallel.py")
+
+
+def _long_readme_block(item) -> bool:
+    """A README block that runs a sweep, a benchmark or many commands (ids are line numbers,
+    which move with every edit of the README, so the block's content decides)."""
+    block = getattr(item, "callspec", None) and item.callspec.params.get("block")
+    if block is None or not hasattr(block, "commands"):
+        return False
+    return len(block.commands) >= 5 or any("+sweep=" in c or "benchmarks/" in c
+                                           for c in block.commands)
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that uses the one-node Slurm cluster runs on one pytest-xdist worker (its two
-    CPUs are one resource), that group first, then the other long tests."""
+    CPUs are one resource), as do the tracking-server tests and each module of
+    SHARED_MODULE_FIXTURE; the Slurm group first, then the other long tests."""
     for item in items:
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif item.path.name in SHARED_MODULE_FIXTURE:  # its fixture computed once, not per worker
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
     def rank(item) -> tuple:
         slurm = item.get_closest_marker("slurm") is not None
-        long = next((i for i, key in enumerate(LONG) if key in item.nodeid), len(LONG))
+        long = 0 if _long_readme_block(item) else \
+            next((i + 1 for i, key in enumerate(LONG) if key in item.nodeid), len(LONG) + 1)
         slow = item.get_closest_marker("slow") is not None
         return (not slurm, long, not slow)
 
