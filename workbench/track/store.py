@@ -80,7 +80,7 @@ def client(uri: str) -> Any:
 
     if sqlite_path(uri) is None or uri in _opened or _made(uri):
         return MlflowClient(tracking_uri=uri)
-    with creation_lock(uri), tracking_errors(uri):
+    with tracking_errors(uri), creation_lock(uri):
         if not _made(uri):  # made by whoever held the lock before: nothing left to do here
             c = MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates it
             c.search_experiments(max_results=1)
@@ -155,7 +155,16 @@ def check_tracking(cfg: RunConfig, array_parallelism: int = 1) -> None:
         return
     uri = cfg.tracking.resolved_uri()
     check_reachable(uri)
-    if sqlite_path(uri) is None or cfg.launcher.name != "slurm":
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError("tracking.uri", uri, f"cannot create a sqlite store there ({folder} "
+                          "is not a writable folder)")
+    if cfg.launcher.name != "slurm":
         return
     nodes, parallel = cfg.launcher.nodes, array_parallelism
     if nodes > 1 or parallel > 1:
