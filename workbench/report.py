@@ -74,7 +74,7 @@ def client(uri: str | None = None):
 
     from workbench.track.store import client as store_client
 
-    return store_client(uri) if uri else MlflowClient()
+    return store_client(uri, create=False) if uri else MlflowClient()
 
 
 def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[str]:

@@ -69,7 +69,7 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep errors to one line
 
-        client = store_client(uri)
+        client = store_client(uri, create=False)
         if experiment:
             exp = client.get_experiment_by_name(experiment)
             if exp is None:

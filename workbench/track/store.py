@@ -73,12 +73,13 @@ def _made(uri: str) -> bool:
         return False
 
 
-def client(uri: str) -> Any:
+def client(uri: str, create: bool = True) -> Any:
     """An MlflowClient for `uri`; a sqlite store not yet made is created (or migrated) by one
-    process at a time, under the lock, and stamped as made."""
+    process at a time, under the lock, and stamped as made. create=False: a command that only
+    reads an existing store (report, rerun), which must leave nothing behind, not even a lock."""
     from mlflow.tracking import MlflowClient
 
-    if sqlite_path(uri) is None or uri in _opened or _made(uri):
+    if not create or sqlite_path(uri) is None or uri in _opened or _made(uri):
         return MlflowClient(tracking_uri=uri)
     with tracking_errors(uri), creation_lock(uri):
         if not _made(uri):  # made by whoever held the lock before: nothing left to do here

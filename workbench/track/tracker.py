@@ -192,4 +192,4 @@ def reading_client(uri: str) -> Any:
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         raise InputError(f"tracking uri {uri!r}: no MLflow store there (run from the folder "
                          "that holds mlflow.db, or set MLFLOW_TRACKING_URI / tracking.uri)")
-    return client(uri)
+    return client(uri, create=False)
