@@ -72,7 +72,9 @@ class RunData:
 def client(uri: str | None = None):
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri) if uri else MlflowClient()
+    from workbench.track.store import client as store_client
+
+    return store_client(uri, create=False) if uri else MlflowClient()
 
 
 def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[str]:

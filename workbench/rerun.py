@@ -65,6 +65,9 @@ def main(argv: List[str]) -> int:
         if key != "tracking.uri":
             raise InputError(f"{ov}: only tracking.uri=URI may follow the run id")
         tracking.uri = value
+    from workbench.track.store import check_reachable, check_tracking
+
+    check_reachable(tracking.resolved_uri())  # a server that does not answer: one line, now
     old = fetch_manifest(tracking, run_id)
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig),
                              OmegaConf.create(old["config_yaml"]))
@@ -72,6 +75,7 @@ def main(argv: List[str]) -> int:
     cfg.train.run_dir = ""  # a new run folder; the original stays untouched
     cfg.tracking.uri = tracking.uri or cfg.tracking.uri
     validate(cfg)
+    check_tracking(cfg)
     current = manifests.build(old["config_yaml"], old.get("overrides", []), cfg.train.seed,
                               load_data(cfg.data).fingerprint)
     diffs = manifests.differences(old, current)

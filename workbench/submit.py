@@ -22,7 +22,7 @@ from workbench.config import ConfigError, RunConfig
 from workbench.data.corpus import load as load_data
 from workbench.data.corpus import resolve_vocab
 from workbench.job import JOB_NAME, Job, config_dict, flat_params
-from workbench.launch import make_launcher, world_size
+from workbench.launch import make_launcher, threads_per_rank, world_size
 from workbench.places import runs_root
 from workbench.track import manifest as manifests
 from workbench.track.tracker import MlflowTracker, create_run
@@ -59,6 +59,7 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
     resolved = config_dict(cfg)
     resolved["train"]["run_dir"] = str(run_dir)
     resolved["train"]["micro_batch"] = layout.micro_batch  # 0 (auto) is logged as resolved
+    resolved["train"]["threads"] = threads_per_rank(cfg.launcher, cfg.train.threads)  # likewise
     config_yaml = OmegaConf.to_yaml(resolved)
     manifest = manifests.build(config_yaml, overrides, cfg.train.seed, data.fingerprint)
     manifest["tokenizer_hash"] = data.tokenizer_hash
@@ -142,9 +143,13 @@ def summary(cfg: RunConfig, job: Job, last: Dict[str, float]) -> str:
 
 def start(overrides: List[str]) -> Tuple[RunConfig, Job]:
     """Compose and validate, then reuse the run named by train.run_dir or record a new one."""
+    from workbench.track.store import check_tracking
+
     cfg = compose(overrides)
     job = existing_job(cfg)
     if job is not None:
         print(f"resuming run in {job.run_dir} (its job file defines the run)", file=sys.stderr)
+        check_tracking(job.run_config())
         return job.run_config(), job
+    check_tracking(cfg)  # the server answers; no sqlite written from several nodes
     return cfg, prepare_job(cfg, overrides, world_size(cfg.launcher))

@@ -6,9 +6,9 @@ from typing import Dict, Protocol
 
 from workbench.config import LauncherConfig
 from workbench.job import Job
-from workbench.launch.world import RanksFailed, world_size
+from workbench.launch.world import RanksFailed, threads_per_rank, world_size
 
-__all__ = ["Launcher", "RanksFailed", "make_launcher", "world_size"]
+__all__ = ["Launcher", "RanksFailed", "make_launcher", "threads_per_rank", "world_size"]
 
 
 class Launcher(Protocol):

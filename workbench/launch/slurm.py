@@ -121,11 +121,11 @@ def _tag_run(job: Job, tags: dict[str, str]) -> None:
     if not job.run_id or cfg.tracking.backend == "none":
         return
     from mlflow.entities import RunTag
-    from mlflow.tracking import MlflowClient
 
+    from workbench.track.store import client as store_client
     from workbench.track.tracker import with_retries
 
-    client = MlflowClient(tracking_uri=cfg.tracking.resolved_uri())
+    client = store_client(cfg.tracking.resolved_uri())
     with_retries(client.log_batch, job.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
@@ -136,8 +136,8 @@ def tag_submitted(tracking: TrackingConfig, run_id: str | None,
     if not run_id or tracking.backend == "none":
         return
     from mlflow.entities import RunTag
-    from mlflow.tracking import MlflowClient
 
+    from workbench.track.store import client as store_client
     from workbench.track.tracker import with_retries
 
     tags = {"slurm.job_id": handle.job_id, "slurm.stdout": str(handle.paths.stdout),
@@ -145,7 +145,7 @@ def tag_submitted(tracking: TrackingConfig, run_id: str | None,
     if "_" in handle.job_id:
         array_id, task_id = handle.job_id.split("_", 1)
         tags |= {"slurm.array_job_id": array_id, "slurm.array_task_id": task_id}
-    client = client or MlflowClient(tracking_uri=tracking.resolved_uri())
+    client = client or store_client(tracking.resolved_uri())
     with_retries(client.log_batch, run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
@@ -214,9 +214,9 @@ class SlurmLauncher:
         for job, handle in zip(jobs, handles):
             tracking = job.run_config().tracking
             if client is None and tracking.backend != "none":
-                from mlflow.tracking import MlflowClient
+                from workbench.track.store import client as store_client
 
-                client = MlflowClient(tracking_uri=tracking.resolved_uri())
+                client = store_client(tracking.resolved_uri())
             tag_submitted(tracking, job.run_id, handle, client)
         return handles
 

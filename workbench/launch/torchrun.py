@@ -46,9 +46,14 @@ class TorchrunLauncher:
         result = Path(job.run_dir) / FINAL_METRICS
         result.unlink(missing_ok=True)
         env = dict(os.environ)
-        # One intra-op thread per rank unless asked: N ranks share the node's cores.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                                  // self.cfg.nproc_per_node)))
+        # The ranks share the node's cores: train.threads each (resolved in the job file), set
+        # before any rank starts torch, so each OpenMP pool starts at its share.
+        threads = job.run_config().train.threads
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                      // self.cfg.nproc_per_node)))
         proc = subprocess.run(command(self.cfg.nproc_per_node, job.path), env=env)
         if proc.returncode != 0:
             raise RanksFailed(f"torchrun job {job.path} failed: the ranks exited with status "

@@ -65,11 +65,11 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
     import logging
 
     try:
-        from mlflow.tracking import MlflowClient
+        from workbench.track.store import client as store_client
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep errors to one line
 
-        client = MlflowClient(tracking_uri=uri)
+        client = store_client(uri, create=False)
         if experiment:
             exp = client.get_experiment_by_name(experiment)
             if exp is None:

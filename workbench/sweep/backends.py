@@ -79,10 +79,14 @@ class ProcessBackend:
     def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]:
         ids = []
         for record, job in zip(records, jobs):
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            threads = job.run_config().train.threads  # its share (driver.candidate)
+            if threads:  # set before the trial (or its torchrun ranks) starts torch's pool
+                env["OMP_NUM_THREADS"] = str(threads)
             with open(Path(job.run_dir) / "train.log", "ab") as log:
                 proc = subprocess.Popen(self.command(job), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        env=env)
             self._procs[record.number] = proc
             ids.append(f"pid:{proc.pid}")
         return ids

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from workbench.cli import guarded, to_run_config
 from workbench.config import ConfigError, RunConfig
+from workbench.launch import threads_per_rank
 from workbench.sweep import report
 from workbench.sweep.backends import make_backend
 from workbench.sweep.session import Sweep, from_state, load  # noqa: F401  (re-exported)
@@ -36,9 +37,12 @@ MAX_ATTEMPTS = 3  # a local trial whose process vanished is restarted (it resume
 
 def start(sw: Sweep) -> None:
     """Create the sweep's state (plan, study, parent run), or reopen it with sweep.resume."""
+    from workbench.track.store import check_tracking
     from workbench.track.tracker import create_run
 
     st, sweep = sw.state, sw.sweep
+    array = sweep.parallelism if sw.cfg.launcher.name == "slurm" else 1
+    check_tracking(sw.cfg, array)  # before any state, run or job exists
     if st.exists():
         if not sweep.resume:
             raise ConfigError("sweep.resume", False, f"{st.folder} already holds this sweep; "
@@ -59,7 +63,8 @@ def start(sw: Sweep) -> None:
                    "launcher": sw.cfg.launcher.name, "tracking_uri": sw.uri,
                    "parent_run_id": parent, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
     sampler = _sampler(sweep)
-    sw.study = open_study(st.study_path, sweep.name, [o.direction for o in sw.objectives], sampler)
+    sw.study = open_study(sweep.storage or st.study_path, sweep.name,
+                          [o.direction for o in sw.objectives], sampler)
     sw.backend = make_backend(sw.cfg, st.folder, sweep.name, sweep.parallelism)
     recover(sw)
 
@@ -127,6 +132,9 @@ def candidate(sw: Sweep, record: TrialRecord) -> tuple[RunConfig | None, str]:
         layout = choose_layout(cfg, sw.world_size)
     except ConfigError as e:
         return None, f"invalid: {e}"
+    if cfg.launcher.name != "slurm":  # local trials at once share this machine's cores
+        cfg.train.threads = threads_per_rank(cfg.launcher, cfg.train.threads,
+                                             sw.sweep.parallelism)
     record.layout = layout.key()
     try:
         from workbench.plan.costmodel import estimate

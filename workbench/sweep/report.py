@@ -16,9 +16,9 @@ MEDIAN_METRICS = ("tokens_per_s", "mfu", "step_time_s")
 
 
 def client(uri: str):
-    from mlflow.tracking import MlflowClient
+    from workbench.track.store import client as store_client
 
-    return MlflowClient(tracking_uri=uri)
+    return store_client(uri)
 
 
 def run_status(mlflow_client: Any, run_id: str) -> str:

@@ -8,6 +8,7 @@ and exit status 2 instead of a half-launched array.
 from __future__ import annotations
 
 import math
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -21,6 +22,7 @@ LOGGED_METRICS: dict[str, str] = {
     "tokens_per_s": "maximize", "mfu": "maximize", "val_loss": "minimize", "loss": "minimize",
     "step_time_s": "minimize", "peak_mem_bytes": "minimize", "grad_norm": "minimize"}
 SAMPLERS = ("auto", "grid", "tpe", "random")
+STORAGE_URL = re.compile(r"^(postgresql|mysql|sqlite|oracle|mssql)(\+\w+)?://")
 # Config sections a trial may not change: all trials of a sweep share one launcher (one array).
 FIXED_SECTIONS = ("launcher", "tracking", "sweep")
 
@@ -46,6 +48,9 @@ class SweepConfig:
     detach: bool = False  # submit and return; then `python -m workbench.sweep status|collect`
     poll_s: float = 2.0
     dir: str = SWEEPS_DIR  # sweep state lives in DIR/NAME
+    # The Optuna storage: empty = a journal file in the sweep's folder (one machine, or a shared
+    # filesystem); else an RDB URL every worker reaches (postgresql://..., sqlite:///...).
+    storage: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,9 @@ def parse_sweep(raw: Mapping[str, Any] | None) -> SweepConfig:
             value = [value] if isinstance(value, str) else list(value)
         values[key] = value
     sweep = SweepConfig(**values)
+    if sweep.storage and not STORAGE_URL.match(sweep.storage):
+        raise ConfigError("sweep.storage", sweep.storage, "empty (a journal file in the sweep "
+                          "folder) or an RDB URL: postgresql://USER@HOST:PORT/DB, sqlite:///PATH")
     for key in ("n_trials", "array_size", "parallelism"):
         if getattr(sweep, key) <= 0:
             raise ConfigError(f"sweep.{key}", getattr(sweep, key), "must be > 0")

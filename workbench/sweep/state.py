@@ -2,7 +2,8 @@
 resumed driver continues without losing a trial or running one twice.
 
   plan.json     what the sweep is: its config, the base overrides, the parent MLflow run
-  study.log     the Optuna 5 journal storage (safe for many concurrent writers)
+  study.log     the Optuna 5 journal storage (safe for many concurrent writers), unless
+                `sweep.storage` names an RDB (PostgreSQL for workers on many nodes)
   trials.json   the trial -> job map: one record per Optuna trial, advanced through
                 asked -> prepared -> submitted -> complete | failed, or asked -> rejected
   rejected.json the layouts the cost model rejected, with reasons (also a parent-run artifact)
@@ -54,13 +55,25 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def open_study(path: Path, name: str, directions: Sequence[str], sampler: Any = None):
-    """The sweep's Optuna study in a journal file (file locks; many processes may write)."""
+def open_study(where: Path | str, name: str, directions: Sequence[str], sampler: Any = None):
+    """The sweep's Optuna study: in a journal file (a path: file locks, many processes on one
+    machine may write) or in an RDB every worker reaches (a URL, `sweep.storage`: PostgreSQL on
+    a cluster). An RDB that cannot be opened is one line of bad input."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = JournalStorage(JournalFileBackend(str(path)))
+    if isinstance(where, str) and "://" in where:
+        try:
+            storage: Any = optuna.storages.RDBStorage(where)
+        except Exception as e:  # sqlalchemy: driver missing, refused, bad credentials
+            from workbench.track.store import redact
+
+            first = " ".join(str(e).split("\n")[0].split())[:200]
+            raise InputError(f"sweep.storage={redact(where)!r}: cannot open the Optuna "
+                             f"storage ({type(e).__name__}: {first})") from None
+    else:
+        storage = JournalStorage(JournalFileBackend(str(where)))
     return optuna.create_study(study_name=name, storage=storage, directions=list(directions),
                                sampler=sampler, load_if_exists=True)
 

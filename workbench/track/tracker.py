@@ -99,9 +99,9 @@ class MlflowTracker:
     """Writes one existing MLflow run through MlflowClient (no fluent, process-global run)."""
 
     def __init__(self, uri: str, run_id: str, flush_every_s: float = 1.0):
-        from mlflow.tracking import MlflowClient
+        from workbench.track.store import client
 
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = client(uri)
         self.run_id = run_id
         self._queue: List[tuple] = []
         self._lock = threading.Lock()
@@ -188,23 +188,26 @@ def make_tracker(cfg: TrackingConfig, run_id: Optional[str], owns_metrics: bool)
 
 def create_run(cfg: TrackingConfig, run_name: str, tags: Dict[str, str],
                parent_run_id: Optional[str] = None) -> Optional[str]:
-    """Create the MLflow run for a job before any rank starts (so a job file names its run)."""
+    """Create the MLflow run for a job before any rank starts (so a job file names its run).
+    A store that cannot be created or reached is one line of bad input (InputError)."""
     if cfg.backend == "none":
         return None
-    from mlflow.tracking import MlflowClient
+    from workbench.track.store import client, tracking_errors
 
-    client = MlflowClient(tracking_uri=cfg.resolved_uri())
-    exp = with_retries(client.get_experiment_by_name, cfg.experiment)
-    if exp is None:
-        try:
-            exp_id = with_retries(client.create_experiment, cfg.experiment)
-        except Exception:  # created meanwhile by a concurrent process
-            exp_id = with_retries(client.get_experiment_by_name, cfg.experiment).experiment_id
-    else:
-        exp_id = exp.experiment_id
-    if parent_run_id:
-        tags = {**tags, "mlflow.parentRunId": parent_run_id}
-    run = with_retries(client.create_run, exp_id, tags=tags, run_name=run_name)
+    uri = cfg.resolved_uri()
+    c = client(uri)
+    with tracking_errors(uri):
+        exp = with_retries(c.get_experiment_by_name, cfg.experiment)
+        if exp is None:
+            try:
+                exp_id = with_retries(c.create_experiment, cfg.experiment)
+            except Exception:  # created meanwhile by a concurrent process
+                exp_id = with_retries(c.get_experiment_by_name, cfg.experiment).experiment_id
+        else:
+            exp_id = exp.experiment_id
+        if parent_run_id:
+            tags = {**tags, "mlflow.parentRunId": parent_run_id}
+        run = with_retries(c.create_run, exp_id, tags=tags, run_name=run_name)
     return run.info.run_id
 
 
@@ -213,11 +216,10 @@ def reading_client(uri: str) -> Any:
     not exist is bad input, not a new empty store to create (and log about)."""
     from pathlib import Path
 
-    from mlflow.tracking import MlflowClient
-
     from workbench.cli import InputError
+    from workbench.track.store import client
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         raise InputError(f"tracking uri {uri!r}: no MLflow store there (run from the folder "
                          "that holds mlflow.db, or set MLFLOW_TRACKING_URI / tracking.uri)")
-    return MlflowClient(tracking_uri=uri)
+    return client(uri, create=False)
