@@ -34,6 +34,41 @@ def workdir(tmp_path, cache_dir, monkeypatch) -> Path:
     return tmp_path
 
 
+TRACKING_ENV_FILE = Path("/tmp/workbench-tracking/env.sh")
+
+
+def env_file_vars(path: Path) -> dict:
+    """The `export KEY=VALUE` lines of a service's env file."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("export ") and "=" in line:
+            key, value = line[len("export "):].split("=", 1)
+            out[key] = value
+    return out
+
+
+def tracking_server_env() -> dict:
+    """WORKBENCH_TRACKING_URI / WORKBENCH_OPTUNA_STORAGE / PGPASSFILE of the tracking server
+    .ci/run starts (from the environment, else its env file) when it answers /health; under CI
+    a missing server fails the test, locally it skips."""
+    import urllib.request
+
+    keys = ("WORKBENCH_TRACKING_URI", "WORKBENCH_OPTUNA_STORAGE", "PGPASSFILE")
+    env = {k: os.environ[k] for k in keys if k in os.environ}
+    if "WORKBENCH_TRACKING_URI" not in env and TRACKING_ENV_FILE.exists():
+        env = env_file_vars(TRACKING_ENV_FILE)
+    why = "no tracking server (run tracking/start-local-server.sh, source its env.sh)"
+    if "WORKBENCH_TRACKING_URI" in env:
+        try:
+            with urllib.request.urlopen(f"{env['WORKBENCH_TRACKING_URI']}/health", timeout=5):
+                return env
+        except OSError:
+            why = f"tracking server {env['WORKBENCH_TRACKING_URI']} does not answer /health"
+    if in_ci():
+        pytest.fail(f"CI needs the tracking server: {why}")
+    pytest.skip(why)
+
+
 def cli(module: str, args: List[str], cwd: Path, timeout: float = 600,
         **popen) -> subprocess.CompletedProcess:
     """Run `python -m module args` as a user would, in cwd, with the test's environment."""

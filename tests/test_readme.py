@@ -41,6 +41,8 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
                                   "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
+    "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
+    "benchmarks/tracking_throughput.py": ["--steps", "200"],
 }
 
 

@@ -1,6 +1,9 @@
-"""Against the real one-node Slurm cluster of slurm/start-local-cluster.sh: a world-size-2 run,
-a layout search as one job array (detached, then collected), and requeue/time-limit signals
-that resume from the checkpoint into the same MLflow run. Under CI a missing cluster fails."""
+"""Against the real one-node Slurm cluster of slurm/start-local-cluster.sh: a world-size-2 run
+logging through the tracking server (HTTP), a layout search as one job array (detached, then
+collected) with its Optuna study in PostgreSQL and its runs in the server, and requeue/time-limit
+signals that resume from the checkpoint into the same MLflow run (sqlite). The README's own
+Slurm blocks run the same commands on the default sqlite store. Under CI a missing cluster or
+tracking server fails."""
 
 from __future__ import annotations
 
@@ -8,10 +11,11 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-from conftest import cli, in_ci, metric_series, only_run
+from conftest import cli, in_ci, metric_series, only_run, tracking_server_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -48,13 +52,26 @@ def _wait(predicate, timeout_s: float, what: str, every_s: float = 0.5):
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def test_world_size_2_run_on_slurm(workdir):
+@pytest.fixture
+def server(workdir, monkeypatch) -> dict:
+    """The tracking server; this test's runs in an experiment of their own on it."""
+    env = tracking_server_env()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["WORKBENCH_TRACKING_URI"])
+    return {**env, "experiment": f"slurm-{uuid.uuid4().hex[:10]}"}
+
+
+def test_world_size_2_run_on_slurm_logs_through_the_server(server, workdir):
     proc = cli("workbench.run", ["launcher=slurm", "launcher.nodes=1", "launcher.tasks_per_node=2",
                                  "layout.dp_replicate=2", "train.steps=5", "train.global_batch=8",
                                  "train.micro_batch=4", "train.eval_every=5",
-                                 "data.max_bytes=1000000"], workdir, timeout=400)
+                                 "data.max_bytes=1000000", "tracking=server",
+                                 f"tracking.experiment={server['experiment']}"],
+               workdir, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = only_run()
+    assert not (workdir / "mlflow.db").exists()  # nothing went to a local store
+    run = only_run(server["experiment"])
     assert run.info.status == "FINISHED"
     assert run.data.params["world_size"] == "2"
     job_id = run.data.tags["slurm.job_id"]
@@ -62,24 +79,28 @@ def test_world_size_2_run_on_slurm(workdir):
     assert [s for s, _ in metric_series(run.info.run_id, "loss")] == list(range(5))
 
 
-def test_layout_search_array_detached_then_collected(workdir):
+def test_layout_search_array_in_postgresql_and_the_server(server, workdir):
+    name = f"ls_{uuid.uuid4().hex[:8]}"  # a study of its own in the shared PostgreSQL
     space = ["sweep.space.layout.dp_replicate=[1,2]", "sweep.space.layout.dp_shard=[1,2]",
              "sweep.space.layout.tp=[1]", "sweep.space.layout.pp=[1]",
              "sweep.space.train.micro_batch=[4]"]
     proc = cli("workbench.run", ["+sweep=layout_search", "launcher=slurm",
                                  "launcher.tasks_per_node=2", "sweep.detach=true",
-                                 "train.steps=4", "data.max_bytes=1000000",
+                                 "train.steps=4", "data.max_bytes=1000000", f"sweep.name={name}",
+                                 f"sweep.storage={server['WORKBENCH_OPTUNA_STORAGE']}",
+                                 "tracking=server", f"tracking.experiment={server['experiment']}",
                                  *space], workdir, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "python -m workbench.sweep status layout_search" in proc.stdout
-    status = cli("workbench.sweep", ["status", "layout_search"], workdir)
+    assert f"python -m workbench.sweep status {name}" in proc.stdout
+    assert not (workdir / f"sweeps/{name}/study.log").exists()  # the study is in PostgreSQL
+    status = cli("workbench.sweep", ["status", name], workdir)
     assert status.returncode == 0 and "submitted" in status.stdout, status.stderr
-    done = cli("workbench.sweep", ["collect", "layout_search", "--wait"], workdir, timeout=600)
+    done = cli("workbench.sweep", ["collect", name, "--wait"], workdir, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "best: trial" in done.stdout, done.stdout
     import json
 
-    trials = json.loads((workdir / "sweeps/layout_search/trials.json").read_text())
+    trials = json.loads((workdir / f"sweeps/{name}/trials.json").read_text())
     by_status = {}
     for t in trials.values():
         by_status.setdefault(t["status"], []).append(t)
@@ -92,11 +113,11 @@ def test_layout_search_array_detached_then_collected(workdir):
 
     from workbench.sweep.state import open_study
 
-    study = open_study(workdir / "sweeps/layout_search/study.log", "layout_search", ["maximize"])
+    study = open_study(server["WORKBENCH_OPTUNA_STORAGE"], name, ["maximize"])
     assert sorted(t.state.name for t in study.get_trials()) == \
         ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"]
     client = MlflowClient()
-    exp = client.get_experiment_by_name("workbench")
+    exp = client.get_experiment_by_name(server["experiment"])
     runs = client.search_runs([exp.experiment_id])
     parent = [r for r in runs if r.data.tags.get("wb.sweep_role") == "parent"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]

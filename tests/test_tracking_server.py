@@ -21,10 +21,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, in_ci
+from conftest import FAST, REPO, env_file_vars, in_ci, tracking_server_env
 
 pytestmark = [pytest.mark.xdist_group("tracking_server")]
-ENV_FILE = Path("/tmp/workbench-tracking/env.sh")
 USER, PASSWORD = "wb-admin", "s3cret-not-logged-7f3a"
 
 
@@ -32,15 +31,6 @@ def _need(why: str) -> None:
     if in_ci():
         pytest.fail(f"CI needs the tracking server: {why}")
     pytest.skip(why)
-
-
-def _env_file_vars(path: Path) -> dict:
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("export ") and "=" in line:
-            key, value = line[len("export "):].split("=", 1)
-            out[key] = value
-    return out
 
 
 def _healthy(uri: str) -> bool:
@@ -54,15 +44,7 @@ def _healthy(uri: str) -> bool:
 @pytest.fixture(scope="module")
 def shared_server() -> dict:
     """The server .ci/run started (its variables in the environment, or its env file)."""
-    env = {k: os.environ[k] for k in ("WORKBENCH_TRACKING_URI", "WORKBENCH_OPTUNA_STORAGE",
-                                      "PGPASSFILE") if k in os.environ}
-    if "WORKBENCH_TRACKING_URI" not in env and ENV_FILE.exists():
-        env = _env_file_vars(ENV_FILE)
-    if "WORKBENCH_TRACKING_URI" not in env:
-        _need("no tracking server (run tracking/start-local-server.sh, source its env.sh)")
-    if not _healthy(env["WORKBENCH_TRACKING_URI"]):
-        _need(f"tracking server {env['WORKBENCH_TRACKING_URI']} does not answer /health")
-    return env
+    return tracking_server_env()
 
 
 def _load(kind: str, target: str, name: str, n: int, per: int, env: dict) -> list:
@@ -136,7 +118,7 @@ def auth_server():
         stop()
         _need(f"the --auth instance did not start: {proc.stderr.strip()[-500:]}")
     try:
-        yield {"state": state, "start": start, "env": env, **_env_file_vars(state / "env.sh")}
+        yield {"state": state, "start": start, "env": env, **env_file_vars(state / "env.sh")}
     finally:
         stop()
 
