@@ -6,7 +6,12 @@ MLflow child run and the job file), submitting them as one Slurm job array (held
 trains; cancelled afterwards), and one poll of all 64 (sacct + MLflow). Without a Slurm cluster
 the submission is skipped and reported as such.
 
-Options: --trials N (default 64), --keep (leave the temporary folder).
+It does so twice in one run when a tracking server answers at $WORKBENCH_TRACKING_URI (from
+`python -m workbench.track.server start`): on the sqlite store and Optuna journal file of one
+machine, then on the server (`tracking=server`) with the study in PostgreSQL
+(`sweep.storage=$WORKBENCH_OPTUNA_STORAGE`), and prints the two side by side.
+
+Options: --trials N (default 64), --keep (leave the temporary folders).
 """
 
 from __future__ import annotations
@@ -31,54 +36,90 @@ def slurm_available() -> bool:
                                        for s in out.stdout.split())
 
 
+def measure(n: int, slurm: bool, extra: list[str], uri: str, keep: bool) -> dict:
+    """Seconds of each driver stage for an n-trial sweep writing to `uri`."""
+    folder = Path(tempfile.mkdtemp(prefix="wb-sweep-bench-"))
+    os.chdir(folder)
+    os.environ["MLFLOW_TRACKING_URI"] = uri or f"sqlite:///{folder / 'mlflow.db'}"
+    from workbench.sweep import driver
+
+    launcher = ["launcher=slurm", "+launcher.extra_sbatch.hold=true"] if slurm else []
+    seeds = ",".join(str(i) for i in range(n))
+    argv_run = ["+sweep=seeds", f"sweep.space.train.seed=[{seeds}]", f"sweep.n_trials={n}",
+                f"sweep.array_size={n}", *launcher, *extra]
+    t = {"t0": time.perf_counter()}
+    sw = driver.load(argv_run)
+    driver.start(sw)  # plan, Optuna study, parent MLflow run
+    t["t1"] = time.perf_counter()
+    driver.ask(sw, n)
+    t["t2"] = time.perf_counter()
+    driver.prepare(sw, sw.state.with_status("asked"))
+    t["t3"] = time.perf_counter()
+    out = {"start": t["t1"] - t["t0"], "ask": t["t2"] - t["t1"], "prepare": t["t3"] - t["t2"],
+           "submit": float("nan"), "poll": float("nan")}
+    if slurm:
+        driver.submit(sw)
+        t4 = time.perf_counter()
+        out["submit"] = t4 - t["t3"]
+        driver.poll(sw)
+        out["poll"] = time.perf_counter() - t4
+        ids = sorted({r.job_id.split("_")[0] for r in sw.state.with_status("submitted")})
+        subprocess.run(["scancel", *ids], check=False)
+    sw.state.unlock()
+    poll = 0.0 if math.isnan(out["poll"]) else out["poll"]
+    out["per_trial_ms"] = 1000 * (out["ask"] + out["prepare"] + poll) / n
+    if keep:
+        print(f"kept {folder}")
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+def server_extra() -> tuple[str, list[str]]:
+    """The tracking server's URI and the overrides that put a sweep on it, or ('', [])."""
+    uri = os.environ.get("WORKBENCH_TRACKING_URI", "")
+    storage = os.environ.get("WORKBENCH_OPTUNA_STORAGE", "")
+    if not (uri and storage):
+        return "", []
+    try:
+        from workbench.track.store import check_reachable
+
+        check_reachable(uri)
+    except Exception:
+        return "", []
+    name = f"seeds_{os.getpid()}_{int(time.time())}"  # its own study in the shared database
+    return uri, ["tracking=server", f"sweep.storage={storage}", f"sweep.name={name}",
+                 f"tracking.experiment=bench-{name}"]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=64)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="wb-sweep-bench-"))
-    os.chdir(folder)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder / 'mlflow.db'}"
-    from workbench.sweep import driver
-
-    slurm = slurm_available()
-    launcher = ["launcher=slurm", "+launcher.extra_sbatch.hold=true"] if slurm else []
-    seeds = ",".join(str(i) for i in range(args.trials))
-    argv_run = ["+sweep=seeds", f"sweep.space.train.seed=[{seeds}]",
-                f"sweep.n_trials={args.trials}", f"sweep.array_size={args.trials}", *launcher]
-    t0 = time.perf_counter()
-    sw = driver.load(argv_run)
-    driver.start(sw)  # plan, Optuna study, parent MLflow run
-    t1 = time.perf_counter()
-    driver.ask(sw, args.trials)
-    t2 = time.perf_counter()
-    driver.prepare(sw, sw.state.with_status("asked"))
-    t3 = time.perf_counter()
-    submit_s = float("nan")
-    poll_s = float("nan")
-    if slurm:
-        driver.submit(sw)
-        t4 = time.perf_counter()
-        submit_s = t4 - t3
-        driver.poll(sw)
-        poll_s = time.perf_counter() - t4
-        ids = sorted({r.job_id.split("_")[0] for r in sw.state.with_status("submitted")})
-        subprocess.run(["scancel", *ids], check=False)
-    sw.state.unlock()
-    n = args.trials
-    per_trial_ms = 1000 * ((t2 - t1) + (t3 - t2) + (0.0 if math.isnan(poll_s) else poll_s)) / n
-    print(f"sweep of {n} trials ({'Slurm' if slurm else 'no Slurm: submission not measured'})")
-    print(f"  load + start (compose, study, parent run):  {t1 - t0:8.2f} s")
-    print(f"  ask {n} proposals from Optuna:              {t2 - t1:8.2f} s")
-    print(f"  prepare {n} trials (run + job file each):   {t3 - t2:8.2f} s")
-    print(f"  submit the {n}-trial array (one sbatch):     {submit_s:8.2f} s")
-    print(f"  one poll of {n} running trials:             {poll_s:8.2f} s")
-    print(f"driver overhead per trial (ask + prepare + one poll): {per_trial_ms:.0f} ms")
-    if not args.keep:
-        shutil.rmtree(folder, ignore_errors=True)
-    else:
-        print(f"kept {folder}")
+    n, slurm = args.trials, slurm_available()
+    cols = {"sqlite + journal": measure(n, slurm, [], "", args.keep)}
+    uri, extra = server_extra()
+    if uri:
+        cols["server + PostgreSQL"] = measure(n, slurm, extra, uri, args.keep)
+    print(f"sweep of {n} trials ({'Slurm' if slurm else 'no Slurm: submission not measured'})"
+          + ("" if uri else "; no tracking server at $WORKBENCH_TRACKING_URI: sqlite only"))
+    rows = [("load + start (compose, study, parent run), s", "start"),
+            (f"ask {n} proposals from Optuna, s", "ask"),
+            (f"prepare {n} trials (run + job file each), s", "prepare"),
+            (f"submit the {n}-trial array (one sbatch), s", "submit"),
+            (f"one poll of {n} running trials, s", "poll"),
+            ("driver overhead per trial (ask + prepare + poll), ms", "per_trial_ms")]
+    print(f"  {'':<52}" + "".join(f"{k:>20}" for k in cols))
+    for label, key in rows:
+        print(f"  {label:<52}" + "".join(f"{c[key]:>20.2f}" for c in cols.values()))
+    for name, c in cols.items():
+        print(f"driver overhead per trial, {name}: {c['per_trial_ms']:.0f} ms")
+    if uri:
+        server, lite = cols["server + PostgreSQL"], cols["sqlite + journal"]
+        ratio = server["per_trial_ms"] / lite["per_trial_ms"]
+        print(f"server / sqlite: {ratio:.2f}x (target: at most 150 ms per trial on the server)")
     return 0
 
 
