@@ -51,21 +51,33 @@ def tracking_server_env() -> dict:
     """WORKBENCH_TRACKING_URI / WORKBENCH_OPTUNA_STORAGE / PGPASSFILE of the tracking server
     .ci/run starts (from the environment, else its env file) when it answers /health; under CI
     a missing server fails the test, locally it skips."""
-    import urllib.request
-
     keys = ("WORKBENCH_TRACKING_URI", "WORKBENCH_OPTUNA_STORAGE", "PGPASSFILE")
     env = {k: os.environ[k] for k in keys if k in os.environ}
     if "WORKBENCH_TRACKING_URI" not in env and TRACKING_ENV_FILE.exists():
         env = env_file_vars(TRACKING_ENV_FILE)
     why = "no tracking server (run tracking/start-local-server.sh, source its env.sh)"
     if "WORKBENCH_TRACKING_URI" in env:
-        try:
-            with urllib.request.urlopen(f"{env['WORKBENCH_TRACKING_URI']}/health", timeout=5):
-                return env
-        except OSError:
-            why = f"tracking server {env['WORKBENCH_TRACKING_URI']} does not answer /health"
+        if healthy(env["WORKBENCH_TRACKING_URI"]):
+            return env
+        why = f"tracking server {env['WORKBENCH_TRACKING_URI']} does not answer /health"
+    need_service("the tracking server", why)
+
+
+def healthy(uri: str) -> bool:
+    """Whether an MLflow server answers /health with 200."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def need_service(what: str, why: str) -> None:
+    """A missing service fails the test under CI and skips it locally."""
     if in_ci():
-        pytest.fail(f"CI needs the tracking server: {why}")
+        pytest.fail(f"CI needs {what}: {why}")
     pytest.skip(why)
 
 

@@ -21,24 +21,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, env_file_vars, in_ci, tracking_server_env
+from conftest import FAST, REPO, env_file_vars, healthy, need_service, tracking_server_env
 
 pytestmark = [pytest.mark.xdist_group("tracking_server")]
 USER, PASSWORD = "wb-admin", "s3cret-not-logged-7f3a"
 
 
 def _need(why: str) -> None:
-    if in_ci():
-        pytest.fail(f"CI needs the tracking server: {why}")
-    pytest.skip(why)
+    need_service("the tracking server", why)
 
 
-def _healthy(uri: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
+_healthy = healthy
 
 
 @pytest.fixture(scope="module")
