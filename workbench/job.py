@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import yaml
 from omegaconf import OmegaConf
 
 from workbench.config import RunConfig
@@ -66,7 +67,17 @@ class Job:
 
 
 def config_dict(cfg: RunConfig) -> Dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore
+    """The run config as plain nested dicts. A RunConfig is already resolved and typed (built by
+    OmegaConf.to_object), so dataclasses.asdict gives what a structured-config round trip gives
+    at a hundredth of the cost, which a sweep driver pays once per trial."""
+    return asdict(cfg)
+
+
+def config_yaml(resolved: Dict[str, Any]) -> str:
+    """YAML of a plain config dict (what OmegaConf.to_yaml writes, via libyaml when present)."""
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    return yaml.dump(resolved, Dumper=dumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True)
 
 
 def flat_params(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from omegaconf import OmegaConf
 
 from workbench import layout as layouts
 from workbench.cli import compose
@@ -22,10 +21,11 @@ from workbench.config import ConfigError, RunConfig
 from workbench.data.corpus import load as load_data
 from workbench.data.corpus import resolve_vocab
 from workbench.job import JOB_NAME, Job, config_dict, flat_params
+from workbench.job import config_yaml as to_yaml
 from workbench.launch import make_launcher, threads_per_rank, world_size
 from workbench.places import runs_root
 from workbench.track import manifest as manifests
-from workbench.track.tracker import MlflowTracker, create_run
+from workbench.track.tracker import create_run, record_prepared
 
 
 def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
@@ -60,7 +60,7 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
     resolved["train"]["run_dir"] = str(run_dir)
     resolved["train"]["micro_batch"] = layout.micro_batch  # 0 (auto) is logged as resolved
     resolved["train"]["threads"] = threads_per_rank(cfg.launcher, cfg.train.threads)  # likewise
-    config_yaml = OmegaConf.to_yaml(resolved)
+    config_yaml = to_yaml(resolved)
     manifest = manifests.build(config_yaml, overrides, cfg.train.seed, data.fingerprint)
     manifest["tokenizer_hash"] = data.tokenizer_hash
     tags = {**manifests.tags(manifest), "wb.layout": layout.key(),
@@ -78,14 +78,10 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
     (run_dir / "config.yaml").write_text(config_yaml)
     (run_dir / "manifest.json").write_text(_json(manifest))
     if run_id:
-        tracker = MlflowTracker(cfg.tracking.resolved_uri(), run_id)
         params = flat_params(resolved) | layout.as_params() | {
             "world_size": world_size, "layout": layout.key(), "n_params": _n_params(cfg)}
-        tracker.log_params(params)
-        for name in ("config.yaml", "manifest.json"):
-            tracker.log_artifact(str(run_dir / name), "manifest")
-        _log_prediction(cfg, layout, world_size, tracker)
-        tracker.close("RUNNING")
+        record_prepared(cfg.tracking.resolved_uri(), run_id, params, _prediction(cfg, layout),
+                        [run_dir / "config.yaml", run_dir / "manifest.json"], "manifest")
     job.save()
     return job
 
@@ -96,18 +92,18 @@ def _n_params(cfg: RunConfig) -> int:
     return n_params(cfg.model)
 
 
-def _log_prediction(cfg: RunConfig, layout: layouts.Layout, world_size: int,
-                    tracker: MlflowTracker) -> None:
-    """The cost model's prediction beside what will be measured: calibration is a query."""
+def _prediction(cfg: RunConfig, layout: layouts.Layout) -> Dict[str, float]:
+    """The cost model's prediction (`pred/*`), logged beside what will be measured so that
+    calibration is a query; {} when there is no planner or it cannot price this run."""
     try:
         from workbench.plan.costmodel import estimate
     except ImportError:
-        return
+        return {}
     try:
         est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
     except (ConfigError, ValueError, ZeroDivisionError):
-        return
-    tracker.log_metrics({f"pred/{k}": v for k, v in est.as_metrics().items()}, 0)
+        return {}
+    return {f"pred/{k}": v for k, v in est.as_metrics().items()}
     tracker.flush()
 
 

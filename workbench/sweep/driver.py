@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from workbench.sweep.space import (
 )
 from workbench.sweep.state import SweepState, TrialRecord, open_study
 
+PREPARE_THREADS_HTTP = 8  # trials prepared at once against a tracking server (prepare_threads)
 MAX_ATTEMPTS = 3  # a local trial whose process vanished is restarted (it resumes) this often
 
 
@@ -170,10 +172,17 @@ def reject_poor(sw: Sweep, records: list[TrialRecord]) -> None:
 def set_attr(sw: Sweep, number: int, key: str, value: Any) -> None:
     """A user attribute on trial `number` (through the storage API: after a resume the driver
     holds no Trial objects, only numbers)."""
+    set_attrs(sw, number, {key: value})
+
+
+def set_attrs(sw: Sweep, number: int, attrs: dict[str, Any]) -> None:
+    """Several user attributes on trial `number`, looking the trial up once (each lookup is a
+    database round trip on an RDB storage)."""
     storage = sw.study._storage
     trial_id = storage.get_trial_id_from_study_id_trial_number(sw.study._study_id, number)
     if not storage.get_trial(trial_id).state.is_finished():
-        storage.set_trial_user_attr(trial_id, key, value)
+        for key, value in attrs.items():
+            storage.set_trial_user_attr(trial_id, key, value)
 
 
 def reject(sw: Sweep, record: TrialRecord, reason: str) -> None:
@@ -207,17 +216,28 @@ def prepare(sw: Sweep, records: list[TrialRecord]) -> None:
             survivors.append((record, cfg))
     reject_poor(sw, [r for r, _ in survivors])
     sw.state.save()  # the round's rejections (each already told to Optuna: idempotent on resume)
-    for record, cfg in survivors:
-        if record.status == "rejected":
-            continue
+    survivors = [(r, cfg) for r, cfg in survivors if r.status != "rejected"]
+
+    def make(item: tuple[TrialRecord, Any]) -> Any:  # Optuna's storages are thread-safe
+        record, cfg = item
         tags = {"wb.sweep": sw.sweep.name, "wb.trial": str(record.number)}
         overrides = sw.sweep.overrides + sw.base_overrides + overrides_of(record.params)
         job = prepare_job(cfg, overrides, sw.world_size, tags, sw.state.plan["parent_run_id"])
-        if record.pred and job.run_id:
-            set_attr(sw, record.number, "pred", record.pred)
-        set_attr(sw, record.number, "layout", record.layout)
-        set_attr(sw, record.number, "run_id", job.run_id)
-        sw.state.update(record, status="prepared", run_dir=job.run_dir, run_id=job.run_id)
+        attrs = {"pred": record.pred} if record.pred and job.run_id else {}
+        set_attrs(sw, record.number, attrs | {"layout": record.layout, "run_id": job.run_id})
+        return job
+
+    with ThreadPoolExecutor(max_workers=prepare_threads(sw.uri)) as pool:
+        for (record, _), job in zip(survivors, pool.map(make, survivors)):
+            sw.state.update(record, status="prepared", run_dir=job.run_dir, run_id=job.run_id)
+
+
+def prepare_threads(uri: str) -> int:
+    """Trials prepared at once. Over HTTP a trial's preparation is mostly waiting on the
+    tracking server (about five round trips: create the run, its params and predictions, its
+    two manifest files), so eight in flight hide the latency; a sqlite store serializes
+    writers behind one file lock, where threads would only queue."""
+    return PREPARE_THREADS_HTTP if uri.startswith(("http://", "https://")) else 1
 
 
 def submit(sw: Sweep) -> None:
@@ -233,8 +253,9 @@ def submit(sw: Sweep) -> None:
         sw.state.update(record, save=False, status="submitted", job_id=job_id,
                         attempts=record.attempts + 1)
     sw.state.save()
-    for record, job_id in zip(ready, ids):
-        set_attr(sw, record.number, "job_id", job_id)
+    with ThreadPoolExecutor(max_workers=prepare_threads(sw.uri)) as pool:
+        list(pool.map(lambda r_id: set_attr(sw, r_id[0].number, "job_id", r_id[1]),
+                      zip(ready, ids)))
     print(f"submitted trials {[r.number for r in ready]} as {ids[0]}"
           f"{'..' + ids[-1] if len(ids) > 1 else ''}", file=sys.stderr)
 
@@ -246,9 +267,11 @@ def poll(sw: Sweep) -> int:
         return 0
     c = report.client(sw.uri)
     ended = sw.backend.ended(running)
+    statuses = report.run_statuses(c, sw.state.plan["parent_run_id"],
+                                   [r.run_id for r in running if r.run_id])
     told = 0
     for r in running:
-        status = report.run_status(c, r.run_id) if r.run_id else "FAILED"
+        status = statuses.get(r.run_id, "FAILED") if r.run_id else "FAILED"
         if status == "FINISHED":
             values, why = report.measure(c, r.run_id, sw.objectives)
             if values is None:

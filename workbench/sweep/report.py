@@ -27,6 +27,27 @@ def run_status(mlflow_client: Any, run_id: str) -> str:
     return with_retries(mlflow_client.get_run, run_id).info.status
 
 
+def run_statuses(mlflow_client: Any, parent_run_id: str, run_ids: Sequence[str]
+                 ) -> dict[str, str]:
+    """Status of many runs of one sweep in one search per 100 runs instead of a get_run each:
+    a driver polling 64 running trials over HTTP otherwise pays 64 round trips every poll. A
+    run the search does not return (logged to another experiment) is asked for by itself."""
+    from workbench.track.tracker import with_retries
+
+    ids = sorted(set(run_ids))
+    if not ids:
+        return {}
+    exp_id = with_retries(mlflow_client.get_run, parent_run_id).info.experiment_id
+    out: dict[str, str] = {}
+    for i in range(0, len(ids), 100):
+        quoted = ", ".join(f"'{r}'" for r in ids[i:i + 100])
+        runs = with_retries(mlflow_client.search_runs, [exp_id],
+                            filter_string=f"attributes.run_id IN ({quoted})",
+                            max_results=100)
+        out.update({r.info.run_id: r.info.status for r in runs})
+    return out | {r: run_status(mlflow_client, r) for r in ids if r not in out}
+
+
 def measure(mlflow_client: Any, run_id: str, objectives: Sequence[Objective]
             ) -> tuple[list[float] | None, str]:
     """The objective values of a finished run, or (None, why) when one was never logged."""

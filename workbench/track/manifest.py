@@ -12,6 +12,8 @@ import platform
 import socket
 import subprocess
 import sys
+import time
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -36,12 +38,16 @@ def git_state() -> Dict[str, Any]:
             "diff_sha256": hashlib.sha256((diff or "").encode()).hexdigest()}
 
 
+@lru_cache(maxsize=1)
 def pip_freeze() -> List[str]:
-    """Installed distributions as name==version, read from metadata (no pip subprocess)."""
+    """Installed distributions as name==version, read from metadata (no pip subprocess).
+    Read once per process: parsing every distribution's metadata costs ~0.1-0.3 s, which a sweep
+    driver preparing 64 trials would otherwise pay 64 times for the same answer."""
     pkgs = {(d.metadata["Name"] or "").lower(): d.version for d in metadata.distributions()}
     return sorted(f"{n}=={v}" for n, v in pkgs.items() if n)
 
 
+@lru_cache(maxsize=1)
 def hardware() -> Dict[str, Any]:
     import psutil
     import torch
@@ -55,6 +61,7 @@ def hardware() -> Dict[str, Any]:
     return hw
 
 
+@lru_cache(maxsize=1)
 def versions() -> Dict[str, Optional[str]]:
     import torch
 
@@ -68,10 +75,25 @@ def versions() -> Dict[str, Optional[str]]:
             "cuda": torch.version.cuda, "nccl": nccl}
 
 
+_GIT_FRESH_S = 10.0  # a round of trials prepared within this shares one snapshot
+_git_seen: Dict[str, Any] = {}
+
+
+def recent_git_state() -> Dict[str, Any]:
+    """git_state(), re-read when the last read is older than _GIT_FRESH_S: three git
+    subprocesses per trial were a third of a sweep driver's per-trial cost, and the trials of
+    one round are prepared from the same tree within a second; a later round (or a long-lived
+    driver after an edit) reads the tree again."""
+    now = time.monotonic()
+    if not _git_seen or now - _git_seen["at"] > _GIT_FRESH_S:
+        _git_seen.update(at=now, state=git_state())
+    return _git_seen["state"]
+
+
 def build(config_yaml: str, overrides: List[str], seed: int, data_fingerprint: str) -> Dict:
     return {"config_yaml": config_yaml, "argv": list(sys.argv), "overrides": list(overrides),
-            "cwd": os.getcwd(), "git": git_state(), "pip_freeze": pip_freeze(),
-            "versions": versions(), "hardware": hardware(), "seed": seed,
+            "cwd": os.getcwd(), "git": recent_git_state(), "pip_freeze": list(pip_freeze()),
+            "versions": dict(versions()), "hardware": dict(hardware()), "seed": seed,
             "data_fingerprint": data_fingerprint}
 
 

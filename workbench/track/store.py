@@ -79,6 +79,9 @@ def client(uri: str, create: bool = True) -> Any:
     reads an existing store (report, rerun), which must leave nothing behind, not even a lock."""
     from mlflow.tracking import MlflowClient
 
+    # MLflow's REST client prints "View run ... at http://..." on every set_terminated (after
+    # an extra get_run): one line per rank and trial is noise in job logs and a round trip.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if not create or sqlite_path(uri) is None or uri in _opened or _made(uri):
         return MlflowClient(tracking_uri=uri)
     with tracking_errors(uri), creation_lock(uri):

@@ -197,18 +197,49 @@ def create_run(cfg: TrackingConfig, run_name: str, tags: Dict[str, str],
     uri = cfg.resolved_uri()
     c = client(uri)
     with tracking_errors(uri):
-        exp = with_retries(c.get_experiment_by_name, cfg.experiment)
-        if exp is None:
-            try:
-                exp_id = with_retries(c.create_experiment, cfg.experiment)
-            except Exception:  # created meanwhile by a concurrent process
-                exp_id = with_retries(c.get_experiment_by_name, cfg.experiment).experiment_id
-        else:
-            exp_id = exp.experiment_id
+        exp_id = experiment_id(c, uri, cfg.experiment)
         if parent_run_id:
             tags = {**tags, "mlflow.parentRunId": parent_run_id}
         run = with_retries(c.create_run, exp_id, tags=tags, run_name=run_name)
     return run.info.run_id
+
+
+_experiment_ids: Dict[tuple, str] = {}
+
+
+def experiment_id(c: Any, uri: str, name: str) -> str:
+    """The id of experiment `name`, created if missing; remembered per process (an experiment
+    id never changes), so a sweep driver creating 64 runs asks the server once, not 64 times."""
+    key = (uri, name)
+    if key not in _experiment_ids:
+        exp = with_retries(c.get_experiment_by_name, name)
+        if exp is None:
+            try:
+                _experiment_ids[key] = with_retries(c.create_experiment, name)
+            except Exception:  # created meanwhile by a concurrent process
+                _experiment_ids[key] = with_retries(c.get_experiment_by_name, name).experiment_id
+        else:
+            _experiment_ids[key] = exp.experiment_id
+    return _experiment_ids[key]
+
+
+def record_prepared(uri: str, run_id: str, params: Dict[str, Any], metrics: Dict[str, float],
+                    files: List[Any], artifact_path: str) -> None:
+    """Write a just-created run's params, step-0 metrics and files in as few calls as the REST
+    API allows (log_batch takes at most 100 params and 1000 metrics per call): over HTTP each
+    call is a round trip, and a sweep driver prepares its trials one after another."""
+    from mlflow.entities import Metric, Param
+
+    from workbench.track.store import client
+
+    c = client(uri)
+    ps = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    ts = int(time.time() * 1000)
+    ms = [Metric(k, float(v), ts, 0) for k, v in metrics.items()]
+    for i in range(0, max(len(ps), 1), 100):
+        with_retries(c.log_batch, run_id, params=ps[i:i + 100], metrics=ms if i == 0 else [])
+    for f in files:
+        with_retries(c.log_artifact, run_id, str(f), artifact_path)
 
 
 def reading_client(uri: str) -> Any:
