@@ -131,8 +131,11 @@ def summary(cfg: RunConfig, job: Job, last: Dict[str, float]) -> str:
     if job.run_id:
         uri = cfg.tracking.resolved_uri()
         lines.append(f"mlflow run: {job.run_id}")
-        lines.append(f"open the UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 "
-                     "--port 5000")
+        if uri.startswith(("http://", "https://")):  # the tracking server is the UI
+            lines.append(f"open the UI: {uri}")
+        else:
+            lines.append(f"open the UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 "
+                         "--port 5000")
     lines.append(f"resume or continue: python -m workbench.train {job.path}")
     return "\n".join(lines)
 

@@ -201,10 +201,12 @@ def create_run(cfg: TrackingConfig, run_name: str, tags: Dict[str, str],
         if parent_run_id:
             tags = {**tags, "mlflow.parentRunId": parent_run_id}
         run = with_retries(c.create_run, exp_id, tags=tags, run_name=run_name)
+    _artifact_uris[run.info.run_id] = run.info.artifact_uri
     return run.info.run_id
 
 
 _experiment_ids: Dict[tuple, str] = {}
+_artifact_uris: Dict[str, str] = {}  # of the runs this process created (create_run)
 
 
 def experiment_id(c: Any, uri: str, name: str) -> str:
@@ -238,8 +240,15 @@ def record_prepared(uri: str, run_id: str, params: Dict[str, Any], metrics: Dict
     ms = [Metric(k, float(v), ts, 0) for k, v in metrics.items()]
     for i in range(0, max(len(ps), 1), 100):
         with_retries(c.log_batch, run_id, params=ps[i:i + 100], metrics=ms if i == 0 else [])
-    for f in files:
-        with_retries(c.log_artifact, run_id, str(f), artifact_path)
+    if run_id in _artifact_uris:  # the run's store is known: no get_run to find it
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        repo = get_artifact_repository(_artifact_uris.pop(run_id), tracking_uri=uri)
+        for f in files:
+            with_retries(repo.log_artifact, str(f), artifact_path)
+    else:
+        for f in files:
+            with_retries(c.log_artifact, run_id, str(f), artifact_path)
 
 
 def reading_client(uri: str) -> Any:
