@@ -1,7 +1,8 @@
 """Layout search: score every valid layout at once with the vectorized cost model, or ask Optuna.
 
 The exhaustive path builds the whole space (dp_replicate x dp_shard x tp x pp x cp x virtual
-stages x micro-batch x recompute x sequence parallel) as numpy columns and scores it in one call
+stages x micro-batch x recompute x sequence parallel, each pipeline x a few stage splits of
+workbench.plan.stages) as numpy columns and scores it in one call
 to terms.evaluate, so even 16k-GPU spaces rank in seconds on one core. Every rejected layout keeps
 its first failing rule, so the plan can say why the space shrank. The Optuna path samples the same
 space with ask/tell for spaces too large to enumerate and for measured search.
