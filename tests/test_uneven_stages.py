@@ -171,6 +171,11 @@ def test_llama3_405b_pipelines_with_uneven_stages_are_ranked(llama3_405b) -> Non
     assert (a["pp"][blamed] * a["v"][blamed] > 128).all()
     top = [r.layout(int(i)) for i in r.order[:20]]
     assert any(lay.pp > 1 and lay.stage_layers for lay in top), [x.key() for x in top]
+    for i, lay in zip(r.order[:20], top):  # a split row and its Layout are the same layout
+        assert Layout.from_key(lay.key()) == lay
+        e = estimate(c.model, c.cluster, c.train, lay)
+        assert e.step_time_s == pytest.approx(float(r.step_time_s[i]), rel=1e-9)
+        assert e.peak_mem_bytes == pytest.approx(float(r.peak_mem_bytes[i]), rel=1e-9)
     feasible = r.order
     inter = feasible[(a["sched"][feasible] == Schedule.INTERLEAVED_1F1B) & (a["lf"][feasible] >= 0)]
     assert len(inter) > 0
