@@ -17,13 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.plan import stages
 from workbench.plan.coefficients import Coefficients
 from workbench.plan.columns import Columns, Recompute, Schedule
 from workbench.plan.hardware import GpuSpec
 from workbench.plan.shapes import Linear, ModelShape
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
-from workbench.plan.stages import (inflight_per_layer, rank_layers, rank_memory, rank_params,
-                                   stage_times)
 
 Arrays = dict[str, np.ndarray]
 # Adam step traffic per parameter: read+write fp32 master (8), m (8), v (8), read the fp32
@@ -147,7 +146,7 @@ class Setup:
 
 def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns) -> Setup:
     tok = a["mb"] * float(ms.seq_len) / a["cp"]
-    ranks = rank_layers(ms.n_layers, a["pp"], a["v"], a["lf"], a["ll"], a["lm"])
+    ranks = stages.rank_layers(ms.n_layers, a["pp"], a["v"], a["lf"], a["ll"], a["lm"])
     ls = np.maximum(np.maximum(ranks[0], ranks[1]), ranks[2])
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
     traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
@@ -294,13 +293,14 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     tp_l, cp_l = m.tp * (2 + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
     head = c.head + c.loss
     emb = x.traffic * x.tok * x.act["input"] / x.hbm  # the lookup's rows, written once
-    t_fwd, t_bwd, t_rec, t_tp, t_cp = stage_times(x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l,
-                                                                 cp_l), emb, head)
+    t_fwd, t_bwd, t_rec, t_tp, t_cp = stages.stage_times(
+        x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
     bw_pp = _bw(2, a["tp"] * a["dpr"] * x.dps, hw, co)  # neighbours one stage apart
     p2p_bytes = x.tok * float(ms.hidden) * e / a["tp"]  # Megatron splits the boundary over TP
     t_p2p = np.where(a["pp"] > 1, 2 * x.vv * (p2p_bytes / bw_pp + co.p2p_latency_s), 0.0)
     p_layer = ms.mean_layer_params()
-    p_ranks, p_mp = rank_params(x.ranks, pp, p_layer, ms.embed_params, ms.head_params, a["tp"])
+    p_ranks, p_mp = stages.rank_params(x.ranks, pp, p_layer, ms.embed_params, ms.head_params,
+                                       a["tp"])
     return Stage(fwd=t_fwd, bwd=t_bwd, rec=t_rec, tp=t_tp, cp=t_cp, p2p=t_p2p,
                  per_mb=t_fwd + t_bwd + t_rec + t_tp + t_cp + t_p2p, p_layer=p_layer,
                  p_mp=p_mp, p_ranks=p_ranks, w_bytes=4.0 if sw.precision == "fp32" else 2.0)
@@ -355,8 +355,8 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     full_layer = tok * (act["rep"] + act["split"] + act["quad"]) + kv_others
     stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
     working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
-    factor, factor_mid = inflight_per_layer(pp, ga, a["sched"] == Schedule.GPIPE,
-                                            a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv)
+    factor, factor_mid = stages.inflight_per_layer(
+        pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv)
     # Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do):
     # at the start of the backward three fp32 tensors of the logits' size are alive at once:
     # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
@@ -368,10 +368,11 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     fsdp_per_p = np.where((dps > 1) & (pp > 1), w_bytes + 4.0, 0.0)
     first = np.where(pp > 1, 0.0, logits + np.where(dps > 1, (2 * w_bytes + 4.0) * max(
         st.p_layer, ms.vocab * float(ms.hidden)) / tp, 0.0))
-    return rank_memory(x.ranks, st.p_ranks, (factor, factor_mid, 1.0), stored,
-                       (first + working, working, logits + working), fsdp_per_p,
-                       {"mem_params_bytes": param_b, "mem_grads_bytes": grad_b,
-                        "mem_optimizer_bytes": opt_b}, co.mem_fixed_bytes, co.mem_frag, pp)
+    return stages.rank_memory(x.ranks, st.p_ranks, (factor, factor_mid, 1.0), stored,
+                              (first + working, working, logits + working), fsdp_per_p,
+                              {"mem_params_bytes": param_b, "mem_grads_bytes": grad_b,
+                               "mem_optimizer_bytes": opt_b}, co.mem_fixed_bytes, co.mem_frag,
+                              pp)
 
 
 def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns,
