@@ -10,15 +10,18 @@ allow (Llama 3 405B: 7 + 14 x 8 + 7 over 16 stages).
 
 The vectorized planner holds a split as three numbers (columns `lf`, `ll`, `lm`: layers on the
 first, the last and the fullest middle stage; -1: the even split) and `lsum` (the layers the list
-holds, -1 for a malformed list). Its candidates are the first/last parameterization: the middle
-stages split what first and last leave evenly, the later ones taking the remainder (they hold
-fewer micro-batches in flight). For identical layers this family contains an optimum of the
-general problem, which `balance_stages` solves by dynamic programming over per-layer costs (as
-AMP does, Li et al. 2022): at an optimal max stage time T, every middle stage can hold
-floor(T / layer) layers and first / last floor((T - their extra) / layer); the middle stages of
-the family are exactly that, so scoring the family reaches the DP's optimum
-(tests/test_uneven_stages.py checks it). The DP itself stays general (per-layer time and memory,
-per-stage in-flight micro-batches and budgets) for pools whose layers or stages differ.
+holds, -1 for a malformed list); any list is scored by its fullest stages. The planner's
+candidates (`candidate_ends`) are the first/last parameterization Megatron-LM exposes: first and
+last stage given, the middle stages splitting the rest evenly, the later ones taking the
+remainder (they hold fewer micro-batches in flight). For identical layers this family contains
+an optimum of the general problem, which `balance_stages` solves by dynamic programming over
+per-layer costs (as AMP does, Li et al. 2022): at an optimal slowest-stage time T every middle
+stage may hold floor(T) layer times, the first floor(T - its extra) and the last
+floor(T - head and loss); filling first and last to their caps and spreading the rest evenly
+keeps every middle stage within its cap, so the family reaches the DP's optimum whenever its
+offsets include those caps (tests/test_uneven_stages.py checks it over a grid of head costs).
+The DP itself stays general (per-layer time and memory, per-stage micro-batches in flight and a
+memory budget) for pools whose layers or stages differ.
 
 Imports only numpy (the engine resolves stage boundaries through workbench.layout).
 """
