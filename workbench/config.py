@@ -75,6 +75,9 @@ class LayoutConfig:
     recompute: str = "none"  # none | selective | full
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     virtual_stages: int = 1
+    # Layers of each global pipeline stage (pp * virtual_stages entries, summing to
+    # model.n_layers; first and last may be 0, e.g. [3,5,5,3]); empty = the even split.
+    stage_layers: List[int] = field(default_factory=list)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from workbench.config import ConfigError, LayoutConfig, ModelConfig, TrainConfig
 from workbench.plan.columns import RECOMPUTE, SCHEDULES, layout_columns
 from workbench.plan.rules import RULES, first_broken
+from workbench.plan.stages import even_split, format_split, parse_split
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "Layout", "auto_micro_batch", "resolve", "validate"]
 _KEY_ORDER = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
@@ -32,6 +33,8 @@ class Layout:
     recompute: str = "none"
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
+    # layers of each global pipeline stage (pp * virtual_stages of them); () = the even split
+    stage_layers: tuple[int, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -45,14 +48,21 @@ class Layout:
     def global_batch(self) -> int:
         return self.dp * self.micro_batch * self.grad_accum
 
+    def stage_split(self, n_layers: int) -> tuple[int, ...]:
+        """Layers of every global stage: the list given, or the even split."""
+        return self.stage_layers or even_split(n_layers, self.pp * self.virtual_stages)
+
     def key(self) -> str:
-        """A short canonical string; from_key(key()) == self."""
+        """A short canonical string; from_key(key()) == self. An uneven split adds
+        `sl7-8x14-7` (a run of equal counts as COUNTxTIMES)."""
         parts = [f"{_SHORT[n]}{getattr(self, n)}" for n in _KEY_ORDER]
         if self.sequence_parallel:
             parts.append("sp")
         parts += [f"mb{self.micro_batch}", f"ga{self.grad_accum}", f"rc-{self.recompute}"]
         if self.pp > 1:
             parts.append(f"{self.pp_schedule.replace('_', '-')}-v{self.virtual_stages}")
+        if self.stage_layers:
+            parts.append(f"sl{format_split(self.stage_layers)}")
         return "_".join(parts)
 
     @classmethod
@@ -63,6 +73,8 @@ class Layout:
                 values["sequence_parallel"] = True
             elif part.startswith("rc-"):
                 values["recompute"] = part[3:]
+            elif re.fullmatch(r"sl\d+(x\d+)?(-\d+(x\d+)?)*", part):
+                values["stage_layers"] = parse_split(part[2:])
             elif m := re.fullmatch(r"(gpipe|1f1b|interleaved-1f1b)-v(\d+)", part):
                 values["pp_schedule"] = m.group(1).replace("-", "_")
                 values["virtual_stages"] = int(m.group(2))
@@ -76,7 +88,8 @@ class Layout:
 
     def as_params(self) -> dict:
         """Flat dict for tracking params."""
-        return {f"layout.{f.name}": getattr(self, f.name) for f in fields(self)}
+        return {f"layout.{f.name}": getattr(self, f.name) if f.name != "stage_layers"
+                else format_split(self.stage_layers) for f in fields(self)}
 
 
 def auto_micro_batch(global_batch: int, dp: int, pp: int = 1) -> int:
@@ -124,7 +137,16 @@ def resolve(cfg: LayoutConfig, train: TrainConfig, world_size: int) -> Layout:
     return Layout(**degrees, sequence_parallel=cfg.sequence_parallel,
                   micro_batch=micro, grad_accum=train.global_batch // per_step,
                   recompute=cfg.recompute, pp_schedule=cfg.pp_schedule,
-                  virtual_stages=cfg.virtual_stages)
+                  virtual_stages=cfg.virtual_stages, stage_layers=_stage_layers(cfg))
+
+
+def _stage_layers(cfg: LayoutConfig) -> tuple[int, ...]:
+    """layout.stage_layers as a tuple of ints (a list of whole numbers in the config)."""
+    layers = list(cfg.stage_layers or ())
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in layers):
+        raise ConfigError("layout.stage_layers", layers,
+                          "must be a list of layer counts, one per global pipeline stage")
+    return tuple(layers)
 
 
 def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:

@@ -13,9 +13,12 @@ Columns (all float64, one value per layout):
     rc     a Recompute code (-1: a name that is none of them)
     sched  a Schedule code (-1: a name that is none of them)
     v      virtual pipeline stages per rank
+    lf, ll, lm  layers on the first, the last and the fullest middle global stage (-1: the even
+           split; workbench.plan.stages)
+    lsum   layers the per-stage list holds (-1: the even split, or a list of the wrong shape)
 
-Imports only numpy, so `workbench.layout` (imported by every rank) can use it without pulling in
-the planner.
+Imports only numpy (and workbench.plan.stages, which does too), so `workbench.layout` (imported
+by every rank) can use it without pulling in the planner.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from enum import IntEnum
 from typing import Any
 
 import numpy as np
+
+from workbench.plan.stages import split_columns, split_from_ends
 
 Columns = dict[str, np.ndarray]
 
@@ -58,12 +63,13 @@ def code(choices: tuple[str, ...], label: str) -> int:
 
 
 def columns(*, dpr: Any, dps: Any, tp: Any, pp: Any, cp: Any, sp: Any, mb: Any, rc: Any,
-            sched: Any, v: Any, ga: Any = None) -> Columns:
+            sched: Any, v: Any, ga: Any = None, lf: Any = -1, ll: Any = -1, lm: Any = -1,
+            lsum: Any = -1) -> Columns:
     """The column dict of layouts given field by field (arrays of one length, or scalars that
     every layout shares); contiguous float64, since the search runs dozens of whole-column
-    operations on them."""
+    operations on them. The stage split defaults to the even one."""
     given = {"dpr": dpr, "dps": dps, "tp": tp, "pp": pp, "cp": cp, "sp": sp, "mb": mb,
-             "rc": rc, "sched": sched, "v": v}
+             "rc": rc, "sched": sched, "v": v, "lf": lf, "ll": ll, "lm": lm, "lsum": lsum}
     if ga is not None:
         given["ga"] = ga
     cols = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64).reshape(-1)
@@ -75,17 +81,21 @@ def layout_columns(layouts: Iterable[Any]) -> Columns:
     """Columns of `Layout`s (anything with Layout's fields), in the order given."""
     rows = [(x.dp_replicate, x.dp_shard, x.tp, x.pp, x.cp, x.sequence_parallel, x.micro_batch,
              code(RECOMPUTE, x.recompute), code(SCHEDULES, x.pp_schedule), x.virtual_stages,
-             x.grad_accum) for x in layouts]
-    t = np.array(rows, dtype=np.float64).reshape(len(rows), 11).T
+             x.grad_accum, *split_columns(x.stage_layers, x.pp * x.virtual_stages))
+            for x in layouts]
+    t = np.array(rows, dtype=np.float64).reshape(len(rows), 15).T
     return columns(dpr=t[0], dps=t[1], tp=t[2], pp=t[3], cp=t[4], sp=t[5], mb=t[6], rc=t[7],
-                   sched=t[8], v=t[9], ga=t[10])
+                   sched=t[8], v=t[9], ga=t[10], lf=t[11], ll=t[12], lm=t[13], lsum=t[14])
 
 
 def layout_fields(a: Columns, i: int) -> dict[str, Any]:
-    """The `Layout` keyword arguments of row i (the inverse of layout_columns)."""
+    """The `Layout` keyword arguments of row i (the inverse of layout_columns for the lists the
+    planner builds: first and last stage given, the middle ones spread evenly)."""
+    split = () if a["lf"][i] < 0 else split_from_ends(
+        int(a["lsum"][i]), int(a["pp"][i] * a["v"][i]), int(a["lf"][i]), int(a["ll"][i]))
     return {"dp_replicate": int(a["dpr"][i]), "dp_shard": int(a["dps"][i]), "tp": int(a["tp"][i]),
             "pp": int(a["pp"][i]), "cp": int(a["cp"][i]), "sequence_parallel": bool(a["sp"][i]),
             "micro_batch": int(a["mb"][i]), "grad_accum": int(a["ga"][i]),
             "recompute": RECOMPUTE[Recompute(int(a["rc"][i]))],
             "pp_schedule": SCHEDULES[Schedule(int(a["sched"][i]))],
-            "virtual_stages": int(a["v"][i])}
+            "virtual_stages": int(a["v"][i]), "stage_layers": split}

@@ -22,6 +22,7 @@ import numpy as np
 
 from workbench.config import ModelConfig
 from workbench.plan.columns import RECOMPUTE, SCHEDULES, Columns, Schedule
+from workbench.plan.stages import split_problem
 
 Test = Callable[[ModelConfig, Any, Columns], Any]
 
@@ -89,9 +90,14 @@ RULES: tuple[Rule, ...] = (
          lambda m, w, lay: "pipeline stages cannot share tied embeddings (model.tie_embeddings)",
          lambda lay: lay.pp, engine=True),
     Rule("pp*virtual_stages must divide n_layers", "layout.pp",
-         lambda m, w, a: _indivisible(m.n_layers, a["pp"] * a["v"]),
+         lambda m, w, a: (a["lf"] < 0) & _indivisible(m.n_layers, a["pp"] * a["v"]),
          lambda m, w, lay: f"pp*virtual_stages={lay.pp * lay.virtual_stages} must divide "
-                           f"model.n_layers={m.n_layers}", lambda lay: lay.pp),
+                           f"model.n_layers={m.n_layers} (or give layout.stage_layers)",
+         lambda lay: lay.pp),
+    Rule("stage_layers must split n_layers over pp*virtual_stages", "layout.stage_layers",
+         lambda m, w, a: (a["lf"] >= 0) & (a["lsum"] != m.n_layers),
+         lambda m, w, lay: split_problem(lay.stage_layers, lay.pp * lay.virtual_stages,
+                                         m.n_layers), lambda lay: list(lay.stage_layers)),
     Rule("virtual stages need the interleaved schedule", "layout.virtual_stages",
          lambda m, w, a: (a["v"] > 1) & (a["sched"] != Schedule.INTERLEAVED_1F1B),
          lambda m, w, lay: "virtual stages > 1 need layout.pp_schedule=interleaved_1f1b",

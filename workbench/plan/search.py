@@ -1,7 +1,8 @@
 """Layout search: score every valid layout at once with the vectorized cost model, or ask Optuna.
 
 The exhaustive path builds the whole space (dp_replicate x dp_shard x tp x pp x cp x virtual
-stages x micro-batch x recompute x sequence parallel) as numpy columns and scores it in one call
+stages x micro-batch x recompute x sequence parallel, each pipeline x a few stage splits of
+workbench.plan.stages) as numpy columns and scores it in one call
 to terms.evaluate, so even 16k-GPU spaces rank in seconds on one core. Every rejected layout keeps
 its first failing rule, so the plan can say why the space shrank. The Optuna path samples the same
 space with ask/tell for spaces too large to enumerate and for measured search.
@@ -21,6 +22,7 @@ from workbench.plan.columns import Columns, Recompute, Schedule, columns, layout
 from workbench.plan.costmodel import flops_per_step, hardware_for, software_for
 from workbench.plan.rules import COST_RULES, RULES, first_broken, select
 from workbench.plan.shapes import model_shape
+from workbench.plan.stages import candidate_ends, ends_columns
 from workbench.plan.terms import Software, evaluate
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -49,11 +51,12 @@ def _degree_tuples(world: int) -> np.ndarray:
     return np.array(rows, dtype=np.float64)
 
 
-def enumerate_space(world: int) -> Columns:
+def enumerate_space(world: int, model: ModelConfig | None = None) -> Columns:
     """The raw layout space as columns (before any validity rule): every degree split crossed
     with micro-batch, recompute, sequence parallel and schedule; left out are sequence parallel
     without tp (its rule could only reject them) and schedules without a pipeline (pp = 1 runs
-    1F1B with one stage)."""
+    1F1B with one stage). Given the model, every pipeline is crossed with the stage splits of
+    workbench.plan.stages.candidates (the even split alone otherwise)."""
     deg = _degree_tuples(world)
     combos = np.array([(mb, rc, sp, s, v) for mb, rc, sp, (s, v) in itertools.product(
         MICRO_BATCHES, Recompute, (0, 1), SCHED_V)], dtype=np.float64)
@@ -65,7 +68,29 @@ def enumerate_space(world: int) -> Columns:
     (sp_rule,) = select(["sequence parallel needs tp > 1"])
     keep = ~sp_rule.breaks(None, world, a) & ~((a["pp"] == 1) & ~(
         (a["sched"] == Schedule.ONE_F_ONE_B) & (a["v"] == 1)))
-    return {name: col[keep] for name, col in a.items()}
+    a = {name: col[keep] for name, col in a.items()}
+    return a if model is None else _with_splits(a, model)
+
+
+def _with_splits(a: Columns, model: ModelConfig) -> Columns:
+    """Each layout once per candidate split of its pp * v global stages (lf/ll/lm/lsum)."""
+    ms = model_shape(model)
+    head_layers = ms.vocab * ms.hidden / (ms.mean_layer_matmul_params()
+                                         + 2.0 * ms.seq_len * ms.q_width)
+    n_stages = (a["pp"] * a["v"]).astype(np.int64)
+    uniq, inv = np.unique(n_stages, return_inverse=True)
+    cands = [candidate_ends(model.n_layers, int(s), head_layers) for s in uniq]
+    table = np.full((len(uniq), max(len(cs) for cs in cands), 4), -1.0)
+    for i, (s, cs) in enumerate(zip(uniq, cands)):
+        for j, (first, last) in enumerate(cs):
+            table[i, j] = ends_columns(model.n_layers, int(s), first, last)
+    counts = np.array([len(cs) for cs in cands])[inv]
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = {name: np.repeat(col, counts) for name, col in a.items()}
+    at = np.repeat(inv, counts)
+    for j, name in enumerate(("lf", "ll", "lm", "lsum")):
+        out[name] = np.ascontiguousarray(table[at, within, j])
+    return out
 
 
 def reasons(model: ModelConfig, world: int, a: Columns) -> np.ndarray:
@@ -136,7 +161,8 @@ def rank_layouts(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     cluster.gpus_per_node, whatever cluster.nodes says)."""
     if world_size < 1:
         raise ConfigError("world_size", world_size, "must be >= 1")
-    return score(model, cluster, train, enumerate_space(world_size), lowrank, software, coeff)
+    return score(model, cluster, train, enumerate_space(world_size, model), lowrank, software,
+                 coeff)
 
 
 def best_layout(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, world_size: int,

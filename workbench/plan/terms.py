@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.plan import stages
 from workbench.plan.coefficients import Coefficients
 from workbench.plan.columns import Columns, Recompute, Schedule
 from workbench.plan.hardware import GpuSpec
@@ -131,7 +132,8 @@ class Setup:
     a: Columns
     dps: np.ndarray  # the parameter-sharding group: dp_shard x cp (see Software)
     tok: np.ndarray  # tokens of one micro-batch on one rank (GEMM rows)
-    ls: np.ndarray  # layers on the fullest stage
+    ls: np.ndarray  # layers on the fullest pipeline rank
+    ranks: tuple[np.ndarray, np.ndarray, np.ndarray]  # layers on the first, a middle, the last
     vv: np.ndarray  # virtual stages the schedule interleaves (1 unless interleaved)
     g_tok: np.ndarray  # GEMM efficiency kept at tok rows
     act: Arrays  # activation bytes per token and layer (activation_bytes_per_token)
@@ -144,11 +146,12 @@ class Setup:
 
 def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns) -> Setup:
     tok = a["mb"] * float(ms.seq_len) / a["cp"]
-    ls = np.ceil(float(ms.n_layers) / (a["pp"] * a["v"])) * a["v"]
+    ranks = stages.rank_layers(ms.n_layers, a["pp"], a["v"], a["lf"], a["ll"], a["lm"])
+    ls = np.maximum(np.maximum(ranks[0], ranks[1]), ranks[2])
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
     traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
                                  else co.eager_elem_factor if sw.eager else 1.0)
-    return Setup(a=a, dps=a["dps"] * a["cp"], tok=tok, ls=ls,
+    return Setup(a=a, dps=a["dps"] * a["cp"], tok=tok, ls=ls, ranks=ranks,
                  vv=np.where(a["sched"] == Schedule.INTERLEAVED_1F1B, a["v"], 1.0),
                  g_tok=_g(tok, co.mm_dim_half),
                  act=activation_bytes_per_token(ms, sw, a["tp"], a["sp"]), full_frac=full_frac,
@@ -266,7 +269,7 @@ def communication(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
 
 @dataclass(frozen=True)
 class Stage:
-    """One micro-batch of the fullest stage (seconds), and what its parameters cost."""
+    """One micro-batch of the slowest pipeline rank (seconds), and what its parameters cost."""
 
     fwd: np.ndarray
     bwd: np.ndarray
@@ -276,28 +279,31 @@ class Stage:
     p2p: np.ndarray  # activations to / from the neighbouring stages
     per_mb: np.ndarray  # all of the above
     p_layer: float  # parameters of one (mean) layer
-    p_mp: np.ndarray  # parameters of one model-parallel shard
+    p_mp: np.ndarray  # parameters of one model-parallel shard (the fullest rank's)
+    p_ranks: tuple[np.ndarray, np.ndarray, np.ndarray]  # the same on the first, middle, last
     w_bytes: float  # bytes of a working weight
 
 
 def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup, c: Compute,
           m: Communication) -> Stage:
-    a, ls, full_frac, e = x.a, x.ls, x.full_frac, sw.act_bytes
-    t_fwd = ls * (c.mm + c.attn + c.elem + co.kernel_overhead_s) + c.head + c.loss
-    t_bwd = ls * c.layer_b + 2 * c.head + 2 * c.loss
-    t_rec = ls * (full_frac * c.layer_f + x.sel_attn * (c.attn + c.quad_elem))
-    t_tp = ls * m.tp * (2 + full_frac)
-    t_cp = ls * (m.cp_fwd * (1 + full_frac) + m.cp_bwd)
+    """The terms of the pipeline rank with the longest micro-batch (workbench.plan.stages)."""
+    a, full_frac, e, pp = x.a, x.full_frac, sw.act_bytes, x.a["pp"]
+    f_l = c.mm + c.attn + c.elem + co.kernel_overhead_s
+    rec_l = full_frac * c.layer_f + x.sel_attn * (c.attn + c.quad_elem)
+    tp_l, cp_l = m.tp * (2 + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
+    head = c.head + c.loss
+    emb = x.traffic * x.tok * x.act["input"] / x.hbm  # the lookup's rows, written once
+    t_fwd, t_bwd, t_rec, t_tp, t_cp = stages.stage_times(
+        x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
     bw_pp = _bw(2, a["tp"] * a["dpr"] * x.dps, hw, co)  # neighbours one stage apart
     p2p_bytes = x.tok * float(ms.hidden) * e / a["tp"]  # Megatron splits the boundary over TP
     t_p2p = np.where(a["pp"] > 1, 2 * x.vv * (p2p_bytes / bw_pp + co.p2p_latency_s), 0.0)
-    emb_stage = np.where(a["pp"] > 1, max(ms.embed_params, ms.head_params),
-                         ms.embed_params + ms.head_params)
     p_layer = ms.mean_layer_params()
+    p_ranks, p_mp = stages.rank_params(x.ranks, pp, p_layer, ms.embed_params, ms.head_params,
+                                       a["tp"])
     return Stage(fwd=t_fwd, bwd=t_bwd, rec=t_rec, tp=t_tp, cp=t_cp, p2p=t_p2p,
                  per_mb=t_fwd + t_bwd + t_rec + t_tp + t_cp + t_p2p, p_layer=p_layer,
-                 p_mp=(ls * p_layer + emb_stage) / a["tp"],
-                 w_bytes=4.0 if sw.precision == "fp32" else 2.0)
+                 p_mp=p_mp, p_ranks=p_ranks, w_bytes=4.0 if sw.precision == "fp32" else 2.0)
 
 
 def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
@@ -332,8 +338,8 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
 
 
 def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) -> Arrays:
-    """MEM_TERMS of one GPU of the fullest stage, and `inflight_layers` (layer activations the
-    schedule keeps alive at once)."""
+    """MEM_TERMS of one GPU of the fullest pipeline rank, and `inflight_layers` (layer
+    activations the schedule keeps alive at once)."""
     a, dps, tok, e, act, full_frac = x.a, x.dps, x.tok, sw.act_bytes, x.act, x.full_frac
     tp, pp, ga, w_bytes = a["tp"], a["pp"], a["ga"], st.w_bytes
     state_per_param = np.where(dps > 1, 16.0 / dps, 16.0 if sw.precision == "fp32" else 18.0)
@@ -349,11 +355,8 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     full_layer = tok * (act["rep"] + act["split"] + act["quad"]) + kv_others
     stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
     working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
-    sched = a["sched"]
-    inflight = np.where(pp == 1, 1.0, np.where(sched == Schedule.GPIPE, ga, np.minimum(pp, ga)))
-    first_layers = x.ls * inflight * np.where((sched == Schedule.INTERLEAVED_1F1B) & (pp > 1),
-                                              1 + (pp - 1) / (pp * x.vv), 1.0)
-    acts = stored * first_layers
+    factor, factor_mid = stages.inflight_per_layer(
+        pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv)
     # Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do):
     # at the start of the backward three fp32 tensors of the logits' size are alive at once:
     # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
@@ -362,17 +365,14 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
     # and fp32 gradient accumulators stay allocated for the whole step.
-    fsdp_buf = np.where(dps > 1, np.where(pp > 1, (w_bytes + 4.0) * st.p_mp, (2 * w_bytes + 4.0)
-                                          * max(st.p_layer, ms.vocab * float(ms.hidden)) / tp),
-                        0.0)
-    buffers = np.where(pp > 1, 0.0, logits) + fsdp_buf + working
-    last_stage = stored * x.ls + working + logits + fsdp_buf
-    acts_peak = np.maximum(acts + buffers, last_stage)
-    return {"mem_params_bytes": st.p_mp * param_b, "mem_grads_bytes": st.p_mp * grad_b,
-            "mem_optimizer_bytes": st.p_mp * opt_b, "mem_activations_bytes": acts,
-            "mem_buffers_bytes": acts_peak - acts,
-            "mem_fixed_bytes": co.mem_fixed_bytes + co.mem_frag * acts_peak,
-            "inflight_layers": first_layers}
+    fsdp_per_p = np.where((dps > 1) & (pp > 1), w_bytes + 4.0, 0.0)
+    first = np.where(pp > 1, 0.0, logits + np.where(dps > 1, (2 * w_bytes + 4.0) * max(
+        st.p_layer, ms.vocab * float(ms.hidden)) / tp, 0.0))
+    return stages.rank_memory(x.ranks, st.p_ranks, (factor, factor_mid, 1.0), stored,
+                              (first + working, working, logits + working), fsdp_per_p,
+                              {"mem_params_bytes": param_b, "mem_grads_bytes": grad_b,
+                               "mem_optimizer_bytes": opt_b}, co.mem_fixed_bytes, co.mem_frag,
+                              pp)
 
 
 def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns,

@@ -110,8 +110,8 @@ def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
     with TP, recompute, compile and data parallelism applied. DDP-wrapped modules come back
     wrapped; their `.module` is the stage."""
     if layout.pp > 1:
-        n_stages = layout.pp * layout.virtual_stages
-        parts = [split_stage(model, s, n_stages) for s in stage_ids(layout, mesh.pp_rank)]
+        split = list(layout.stage_split(model.cfg.n_layers))
+        parts = [split_stage(model, s, split) for s in stage_ids(layout, mesh.pp_rank)]
     else:
         parts = [model]
     out: List[nn.Module] = []

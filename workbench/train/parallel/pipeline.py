@@ -4,7 +4,8 @@ torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B).
 Stages are cut from the full, seeded model by deleting what a stage does not own, so every
 parameter keeps its global name (`layers.5.attention.wq.weight`) and checkpoints stay
 layout-free. Rank r of the pp group owns stages r, r + pp, r + 2 pp, ... (the looped placement
-interleaved 1F1B expects).
+interleaved 1F1B expects). Stages may hold different numbers of layers
+(`layout.stage_layers`): the first and last stage lighter, or any list.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ def stage_ids(layout: Layout, pp_rank: int) -> List[int]:
     return [pp_rank + v * layout.pp for v in range(layout.virtual_stages)]
 
 
-def split_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
-    """A copy of the model that keeps only stage `stage`'s layers (plus the embedding on the
-    first stage, the final norm and head on the last); forward skips what is missing."""
+def split_stage(model: Transformer, stage: int, split: List[int]) -> Transformer:
+    """A copy of the model that keeps only stage `stage`'s layers (`split`: layers of every
+    global stage, in order), plus the embedding on the first stage, the final norm and head on
+    the last; forward skips what is missing (a first or last stage may hold no layer)."""
     part = copy.deepcopy(model)
-    per = model.cfg.n_layers // n_stages
-    keep = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    n_stages, start = len(split), sum(split[:stage])
+    keep = {str(i) for i in range(start, start + split[stage])}
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
