@@ -77,10 +77,15 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
              "eager": torch_fsdp and not compiled,
              "dp_stack": "deepspeed_zero3" if zero3 else "fsdp",
              "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n,
-             "batch_first_sp": torch_fsdp}
+             "batch_first_sp": torch_fsdp,
+             # Megatron-Core / NeMo put CP ranks in the data-parallel group, not a shard group
+             "cp_shards_params": torch_fsdp or zero3,
+             # Megatron-Core's grad buffer is 16 bit unless told to accumulate in fp32
+             "grad_buffer_bytes": 2.0 if "grad-buffer-bf16" in n else 4.0}
     if "FP8" in p:
         return Software(precision="fp8", **facts,
-                        fp8_scaling="rowwise" if "ROWWISE" in p else "tensorwise")
+                        fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
+                        if "TE" in p.replace("(", " ").split() else "tensorwise")
     if "FP16" in p:
         return Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=zero3,
                         grad_reduce_bytes=2.0, **facts)
