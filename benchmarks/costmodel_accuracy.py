@@ -150,15 +150,17 @@ def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
         rho = f"{min(x[2] for x in sw):+.2f}" if sw else "-"
         reg = f"{max(x[3] for x in sw):.1%}" if sw else "-"
         tp, fp, fn, _ = oom_scores([r for r in preds if r["source_group"] == src])
-        oom = "P %.2f R %.2f F1 %.2f" % _f1(tp, fp, fn) if tp + fn else f"no OOM rows ({fp} FP)"
+        prec, rec, f1 = _f1(tp, fp, fn)
+        oom = f"P {prec:.2f} R {rec:.2f} F1 {f1:.2f}" if tp + fn else f"no OOM rows ({fp} FP)"
         print(f"{src:<20}{len(items):>4} {','.join(metrics)[:23]:<24}{mapes[src]:>7.1f}"
               f"{len(sw):>7}{rho:>8}{reg:>11}  {oom:<24} {SETS_COEFFICIENT.get(src, '')}")
     all_errs = [abs(p - m) / m * 100 for _, m, p in pairs]
     print(f"{'all':<20}{len(pairs):>4} {'':<24}{statistics.median(all_errs):>7.1f}")
     tp, fp, fn, tn = oom_scores(preds)
+    prec, rec, f1 = _f1(tp, fp, fn)
     print("OOM as `not pred_fits` (peak + 0 GiB margin <= HBM) over every row with a known "
-          f"outcome: tp {tp} fp {fp} fn {fn} tn {tn}; precision %.2f recall %.2f F1 %.2f"
-          % _f1(tp, fp, fn))
+          f"outcome: tp {tp} fp {fp} fn {fn} tn {tn}; precision {prec:.2f} recall {rec:.2f} "
+          f"F1 {f1:.2f}")
     print("\nper row (measured -> predicted):")
     for row, meas, pred in pairs:
         print(f"  {row['source_group']:<18}{row['model'][:28]:<29}n={row['n_gpus']:<6}"

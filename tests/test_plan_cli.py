@@ -113,9 +113,9 @@ def test_bad_input_exits_2_with_one_line(module, args, tmp_path) -> None:
 def test_explain_parts_sum_to_the_total(key: str, capsys) -> None:
     """The itemization a user reads must add up to the peak the ranking compares with HBM."""
     from workbench.cli import compose
+    from workbench.layout import Layout
     from workbench.plan.costmodel import estimate
     from workbench.plan.explain import explain
-    from workbench.layout import Layout
 
     cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=2", "train.dtype=bf16"])
     x = explain(cfg.model, cfg.cluster, cfg.train, key, margin_gib=2.0)

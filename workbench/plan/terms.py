@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.plan.coefficients import Coefficients
-from workbench.plan.columns import Columns, Recompute, Schedule
+from workbench.plan.columns import Columns, Schedule
 from workbench.plan.hardware import GpuSpec
-from workbench.plan.shapes import Linear, ModelShape
 from workbench.plan.memory_terms import activation_bytes_per_token, state_bytes_per_param
 from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
+from workbench.plan.shapes import Linear, ModelShape
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
 
 Arrays = dict[str, np.ndarray]
