@@ -1,13 +1,15 @@
 """Accuracy of the cost model on published measurements (shared/calibration/).
 
 Prints, per source group: the median absolute percentage error of the figure the source prints
-(TFLOP/s per GPU, MFU, tokens/s per GPU or seconds per iteration), the Spearman rank correlation
-inside every sweep of >= 3 layouts (same source, model and GPU count), the error on published
-peak memory where a source gives it, and per-GPU memory against Korthikanti et al. Fig. 1 / 7.
-Nothing here is fitted: the coefficients are the physical defaults (or a cluster's calibrated
-ones), and the figures printed are whatever they are.
+(TFLOP/s per GPU, MFU, tokens/s per GPU or seconds per iteration); for every sweep of >= 5
+layouts (same source, model, GPU count and metric, varying the layout) the Spearman rank
+correlation and the top-1 regret (how much worse the predicted-best layout measured than the
+measured best); OOM precision/recall/F1 of `not pred_fits` on rows with a known outcome (every
+measured row ran; rows with outcome=oom did not); which sources set a coefficient; the error on
+published peak memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Nothing here is
+fitted: the figures are whatever the physical defaults give.
 
-    python benchmarks/costmodel_accuracy.py [--csv PATH] [--memory-csv PATH]
+    python benchmarks/costmodel_accuracy.py [--csv PATH ...] [--memory-csv PATH]
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from workbench.plan.costmodel import estimate
 from workbench.plan.hardware import GIB, cluster_for
 from workbench.plan.terms import Software
 from workbench.plan.validate import default_csv, predict_row, read_rows
+
+PROJECT_CSV = Path(__file__).resolve().parent / "calibration"
 
 METRIC_TO_PRED = {"tflops_per_gpu": ("pred_hw_tflops_per_gpu", 1.0),
                   "MFU_pct": ("pred_mfu", 100.0),
@@ -57,6 +61,8 @@ def spearman(x: list[float], y: list[float]) -> float:
 def measured_vs_predicted(rows: list[dict[str, str]]) -> list[tuple[dict[str, str], float, float]]:
     out = []
     for row in rows:
+        if (row.get("outcome") or "").strip().lower() == "oom":
+            continue  # no figure: scored only as an OOM label
         pred = predict_row(row)
         metric = row.get("metric", "")
         if pred["pred_error"] or metric not in METRIC_TO_PRED or not row.get("value"):
@@ -68,34 +74,103 @@ def measured_vs_predicted(rows: list[dict[str, str]]) -> list[tuple[dict[str, st
     return out
 
 
+# Sources whose rows set a coefficient's default (see workbench/plan/coefficients.py): their
+# error is not an out-of-sample test of that coefficient.
+SETS_COEFFICIENT = {
+    "sc21_t1": "mm_eff_max[A100]", "sc21_t2": "mm_eff_max[A100], zero3_gather_eff, zero3_overlap",
+    "korthikanti_t5": "mm_eff_max[A100]", "torchtitan_old": "mm_eff_max[A100]",
+    "torchtitan_asynctp": "async_tp_overlap, fp8_rowwise_cast_bytes",
+    "dgxc_nemo2409": "fp8_te_mm_speedup",
+}
+LOWER_IS_BETTER = {"seconds_per_iter"}
+SWEEP_MIN = 5
+
+
+def regret(meas: list[float], pred: list[float], lower_better: bool) -> float:
+    """How much worse (fraction) the measured figure of the predicted-best layout is than the
+    measured best: 0 when the model picks the layout that measured best."""
+    pick = (min if lower_better else max)(range(len(pred)), key=lambda i: pred[i])
+    best = min(meas) if lower_better else max(meas)
+    return abs(meas[pick] - best) / best
+
+
+def oom_scores(rows: list[dict[str, str]]) -> tuple[int, int, int, int]:
+    """(tp, fp, fn, tn) of predicting OOM (not pred_fits) on rows with a known outcome: every
+    measured row ran; rows whose `outcome` says oom did not."""
+    tp = fp = fn = tn = 0
+    for r in rows:
+        if r.get("pred_fits") not in ("true", "false"):
+            continue
+        oom = (r.get("outcome") or "").strip().lower() == "oom"
+        pred_oom = r["pred_fits"] == "false"
+        tp += oom and pred_oom
+        fp += (not oom) and pred_oom
+        fn += oom and not pred_oom
+        tn += (not oom) and not pred_oom
+    return tp, fp, fn, tn
+
+
+def _f1(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
+    prec = tp / (tp + fp) if tp + fp else float("nan")
+    rec = tp / (tp + fn) if tp + fn else float("nan")
+    return prec, rec, (2 * prec * rec / (prec + rec) if tp else float("nan"))
+
+
+def sweep_stats(pairs: list) -> dict[str, list[tuple[str, int, float, float]]]:
+    """Per source: (sweep name, layouts, Spearman, top-1 regret) of every sweep of >= SWEEP_MIN
+    layouts; a sweep is one source, model, precision-free GPU count, varying the layout."""
+    sweeps: dict[tuple[str, str, str, str], list] = defaultdict(list)
+    for row, meas, pred in pairs:
+        sweeps[(row["source_group"], row["model"], row["n_gpus"], row["metric"])].append(
+            (meas, pred))
+    out: dict[str, list] = defaultdict(list)
+    for (src, model, n, metric), items in sweeps.items():
+        if len(items) >= SWEEP_MIN:
+            m, p = [a for a, _ in items], [b for _, b in items]
+            out[src].append((f"{model} n={n}", len(items), spearman(m, p),
+                             regret(m, p, metric in LOWER_IS_BETTER)))
+    return out
+
+
 def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
     pairs = measured_vs_predicted(rows)
+    preds = [{**r, **predict_row(r)} for r in rows]
     by_source: dict[str, list] = defaultdict(list)
     for row, meas, pred in pairs:
         by_source[row["source_group"]].append((row, meas, pred))
-    print(f"\n{'source':<20}{'n':>4} {'metric':<24}{'MAPE %':>8}  (target <= 10%)")
+    sweeps = sweep_stats(pairs)
+    print(f"\n{'source':<20}{'n':>4} {'metric':<24}{'MAPE %':>7}{'sweeps':>7}{'min rho':>8}"
+          f"{'max regret':>11}  OOM P/R/F1 (labelled)   sets coefficient")
     mapes: dict[str, float] = {}
     for src, items in by_source.items():
         errs = [abs(p - m) / m * 100 for _, m, p in items]
         mapes[src] = statistics.median(errs)
         metrics = sorted({r["metric"] for r, _, _ in items})
-        print(f"{src:<20}{len(items):>4} {','.join(metrics):<24}{mapes[src]:>8.1f}")
+        sw = sweeps.get(src, [])
+        rho = f"{min(x[2] for x in sw):+.2f}" if sw else "-"
+        reg = f"{max(x[3] for x in sw):.1%}" if sw else "-"
+        tp, fp, fn, _ = oom_scores([r for r in preds if r["source_group"] == src])
+        prec, rec, f1 = _f1(tp, fp, fn)
+        oom = f"P {prec:.2f} R {rec:.2f} F1 {f1:.2f}" if tp + fn else f"no OOM rows ({fp} FP)"
+        print(f"{src:<20}{len(items):>4} {','.join(metrics)[:23]:<24}{mapes[src]:>7.1f}"
+              f"{len(sw):>7}{rho:>8}{reg:>11}  {oom:<24} {SETS_COEFFICIENT.get(src, '')}")
     all_errs = [abs(p - m) / m * 100 for _, m, p in pairs]
-    print(f"{'all':<20}{len(pairs):>4} {'':<24}{statistics.median(all_errs):>8.1f}")
+    print(f"{'all':<20}{len(pairs):>4} {'':<24}{statistics.median(all_errs):>7.1f}")
+    tp, fp, fn, tn = oom_scores(preds)
+    prec, rec, f1 = _f1(tp, fp, fn)
+    print("OOM as `not pred_fits` (peak + 0 GiB margin <= HBM) over every row with a known "
+          f"outcome: tp {tp} fp {fp} fn {fn} tn {tn}; precision {prec:.2f} recall {rec:.2f} "
+          f"F1 {f1:.2f}")
     print("\nper row (measured -> predicted):")
     for row, meas, pred in pairs:
-        print(f"  {row['source_group']:<18}{row['model']:<15}n={row['n_gpus']:<6}"
+        print(f"  {row['source_group']:<18}{row['model'][:28]:<29}n={row['n_gpus']:<6}"
               f"tp{row['tp']} pp{row['pp']} dp{row['dp']} {row['precision'][:12]:<12} "
               f"{row['metric']:<22}{meas:>9.1f} -> {pred:>9.1f} ({(pred - meas) / meas:+.0%})"
               f"  mem {row['pred_peak_mem_gib']} GiB fits={row['pred_fits']}")
-    sweeps: dict[tuple[str, str, str], list] = defaultdict(list)
-    for row, meas, pred in pairs:
-        sweeps[(row["source_group"], row["model"], row["n_gpus"])].append((meas, pred))
-    print("\nSpearman rank correlation inside sweeps of >= 3 layouts (target >= 0.9):")
-    for key, items in sweeps.items():
-        if len(items) >= 3:
-            rho = spearman([m for m, _ in items], [p for _, p in items])
-            print(f"  {key[0]:<18}{key[1]:<16}n={key[2]:<6}layouts={len(items):<3}rho={rho:+.2f}")
+    print(f"\nsweeps of >= {SWEEP_MIN} layouts (target: Spearman >= 0.9):")
+    for src, sw in sweeps.items():
+        for name, n, rho, reg in sw:
+            print(f"  {src:<20}{name:<30}layouts={n:<3}rho={rho:+.2f} top-1 regret={reg:.1%}")
     mem = [(float(r["peak_mem_gib"]), float(r["pred_peak_mem_gib"])) for r, _, _ in pairs
            if r.get("peak_mem_gib")]
     if mem:
@@ -173,14 +248,22 @@ def read_rows_loose(path: Path):
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--csv", type=Path, action="append", default=None,
+                   help="rows to score (repeatable; default: the shared published_layouts.csv "
+                        "and this project's benchmarks/calibration/*.csv)")
     p.add_argument("--memory-csv", type=Path, default=None)
     args = p.parse_args(argv)
-    path = args.csv or default_csv()
-    _, rows = read_rows(path)
-    print(f"rows: {len(rows)} from {path}")
+    paths = args.csv or [default_csv(), *sorted(PROJECT_CSV.glob("*.csv"))]
+    rows: list[dict[str, str]] = []
+    for path in paths:
+        if path == default_csv() and not path.is_file() and not args.csv:
+            print(f"no shared calibration CSV at {path}; project rows only")
+            continue
+        got = read_rows(path)[1]
+        rows += got
+        print(f"rows: {len(got)} from {path}")
     report_layouts(rows)
-    report_memory(args.memory_csv or path.with_name("korthikanti2022_memory.csv"))
+    report_memory(args.memory_csv or paths[0].with_name("korthikanti2022_memory.csv"))
     return 0
 
 

@@ -89,6 +89,9 @@ def test_calibrate_writes_coeff_to_a_copy(tmp_path) -> None:
     ("workbench.plan", ["model=nope"]),
     ("workbench.plan", ["--bogus"]),
     ("workbench.plan", ["cluster.nodes"]),
+    ("workbench.plan", ["model=llama3_8b", "--explain", "tp8_bogus"]),
+    ("workbench.plan", ["model=llama3_8b", "--explain", "tp3_mb1"]),
+    ("workbench.plan", ["model=llama3_8b", "--explain", "tp2_mb1", "--margin-gib", "-1"]),
     ("workbench.plan.validate", ["--csv", "/no/such.csv", "--out", "/tmp/x.csv"]),
     ("workbench.plan.validate", ["--nope"]),
     ("workbench.plan.calibrate", ["--cluster", "nope", "--csv", "/no/such.csv"]),
@@ -100,6 +103,33 @@ def test_bad_input_exits_2_with_one_line(module, args, tmp_path) -> None:
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+@pytest.mark.parametrize("key", [
+    "dpr1_dps16_tp1_pp1_cp1_mb1_ga1_rc-selective",  # FSDP: gathered-block buffers, logits
+    "dpr2_dps1_tp4_pp2_cp1_sp_mb1_ga8_rc-none_1f1b-v1",  # replicated states, p2p, last stage
+    "dpr1_dps2_tp2_pp2_cp2_sp_mb1_ga8_rc-full_interleaved-1f1b-v2",  # CP, recompute layer
+])
+def test_explain_parts_sum_to_the_total(key: str, capsys) -> None:
+    """The itemization a user reads must add up to the peak the ranking compares with HBM."""
+    from workbench.cli import compose
+    from workbench.layout import Layout
+    from workbench.plan.costmodel import estimate
+    from workbench.plan.explain import explain
+
+    cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=2", "train.dtype=bf16"])
+    x = explain(cfg.model, cfg.cluster, cfg.train, key, margin_gib=2.0)
+    assert sum(x.memory_bytes.values()) == pytest.approx(x.peak_bytes, rel=1e-12)
+    assert all(v >= 0 for v in x.memory_bytes.values()), x.memory_bytes
+    est = estimate(cfg.model, cfg.cluster, cfg.train, Layout.from_key(key))
+    assert x.peak_bytes == pytest.approx(est.peak_mem_bytes, rel=1e-12)
+    assert sum(x.time_s.values()) == pytest.approx(x.step_time_s, rel=1e-12)
+    assert x.fits == (est.peak_mem_bytes + 2 * 2**30 <= est.hbm_bytes)
+    rc = plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
+                         "--explain", key, "--margin-gib", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "optimizer states" in out and "fragmentation" in out
+    assert f"{x.peak_bytes / 2**30:.2f} GiB" in out
 
 
 def test_unparseable_csv_exits_2(tmp_path) -> None:

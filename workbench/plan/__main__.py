@@ -2,8 +2,9 @@
 
 Ranks every layout of the model on the cluster's GPUs with the cost model, prints the top 10
 and why the others were rejected, and writes the full ranking to a CSV. Hydra overrides pick the
-inputs; `--out PATH`, `--top N`, `--world-size N` and `--optuna N` (also run an N-trial Optuna
-search and report it) are the command's own options.
+inputs; `--out PATH`, `--top N`, `--world-size N`, `--optuna N` (also run an N-trial Optuna
+search and report it) and `--explain LAYOUT [--margin-gib G]` (itemize one layout's peak memory
+and step time instead of ranking) are the command's own options.
 """
 
 from __future__ import annotations
@@ -56,11 +57,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--world-size", type=int, default=0,
                    help="GPUs (default cluster.nodes * cluster.gpus_per_node)")
     p.add_argument("--optuna", type=int, default=0, help="also run an N-trial Optuna search")
+    p.add_argument("--explain", default="", metavar="LAYOUT",
+                   help="itemize one layout (a key as the ranking prints it) instead of ranking")
+    p.add_argument("--margin-gib", type=float, default=0.0,
+                   help="memory a layout must leave free to count as fitting (--explain)")
     args = p.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise InputError(f"override {bad[0]!r}: use key=value (e.g. model=llama3_70b)")
     cfg = compose(args.overrides)
+    if args.explain:
+        from workbench.plan.explain import explain, render
+
+        x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib)
+        print("\n".join(render(x)))
+        return 0
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
     r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank)
     hbm = r.hbm_bytes / GIB

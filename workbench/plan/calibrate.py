@@ -28,7 +28,8 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "mm_eff_max": (0.3, 0.95), "flash_eff": (0.2, 0.9), "elem_traffic": (1.0, 6.0),
     "link_eff_intra": (0.4, 0.95), "link_eff_inter": (0.4, 0.95), "dp_overlap": (0.0, 1.0),
     "tp_overlap": (0.0, 1.0), "async_tp_overlap": (0.0, 1.0), "kernel_overhead_s": (5e-6, 200e-6),
-    "fp8_mm_speedup": (1.0, 2.0), "cp_overlap": (0.0, 1.0), "compile_elem_factor": (0.2, 1.0),
+    "fp8_mm_speedup": (1.0, 2.0), "fp8_te_mm_speedup": (1.0, 2.0),
+    "cp_overlap": (0.0, 1.0), "compile_elem_factor": (0.2, 1.0),
 }
 DEFAULT_FIT = ("mm_eff_max", "link_eff_inter", "dp_overlap")
 MEASURED = {"tflops_per_gpu": "hw_tflops", "MFU_pct": "mfu",

@@ -38,6 +38,8 @@ class Software:
     # FP8 scaling granularity (torchao): "tensorwise" (one scale per tensor; the producer's
     # kernel fuses amax and cast, and TP all-gathers travel in FP8) or "rowwise" (one scale per
     # row: separate amax/cast kernels per operand and axis, TP all-gathers stay in BF16).
+    # "te_delayed": Transformer Engine delayed scaling (Megatron-Core / NeMo; see
+    # Coefficients.fp8_te_mm_speedup), TP all-gathers in BF16 unless TE's fp8_buf is set.
     fp8_scaling: str = "tensorwise"
     # Which implementation shards parameters over dp_shard: "fsdp" (PyTorch FSDP/FSDP2,
     # Megatron distributed optimizer: bucketed NCCL collectives over all NICs of a node, prefetch
@@ -58,6 +60,16 @@ class Software:
     # re-laid out by a full copy (torch.distributed._functional_collectives chunk + cat), unless
     # async TP's fused all-gather/reduce-scatter matmuls move the shards themselves.
     batch_first_sp: bool = False
+    # Where context-parallel ranks sit for the weights: True (torchtitan's dp_shard_cp mesh, this
+    # engine) shards parameters over dp_shard x cp like FSDP; False (Megatron-Core: the
+    # data-parallel group "with CP" is dp x cp) keeps full weights on every CP rank and only
+    # joins CP to the gradient reduction and the distributed optimizer's shard group.
+    cp_shards_params: bool = True
+    # Bytes per element of the unsharded buffer gradients accumulate in: fp32 main grads
+    # (PyTorch DDP, Megatron 2021, Megatron-Core with --accumulate-allreduce-grads-in-fp32) or
+    # the 16-bit parameter dtype (Megatron-Core's default grad buffer, NeMo's distributed
+    # fused Adam with bf16 grad sync).
+    grad_buffer_bytes: float = 4.0
 
     @property
     def act_bytes(self) -> float:

@@ -179,23 +179,25 @@ def rank_memory(ranks: tuple[np.ndarray, np.ndarray, np.ndarray],
     per layer and micro-batch times its layers and `inflight` micro-batches; `extra` bytes alive
     at its peak (logits on the last rank, the re-materialized layer); `bytes_per_p` buffer
     bytes per parameter it holds (FSDP's gathered weights); `state` bytes per parameter by term
-    (weights, gradients, optimizer); a fragmentation allowance `frag` of its peak."""
+    (weights, gradients, optimizer); a fragmentation allowance `frag` of its peak. `peak_rank`
+    says which rank that is (0 first, 1 middle, 2 last), so its buffers can be itemized."""
     per_p = sum(state.values())
-    choice: list[Any] = [ranks[0], p_ranks[0], inflight[0], extra[0]]
+    choice: list[Any] = [ranks[0], p_ranks[0], inflight[0], extra[0], 0.0]
     total = None
-    for here, *c in zip((pp > 0, pp > 2, pp > 1), ranks, p_ranks, inflight, extra):
+    for i, (here, *c) in enumerate(zip((pp > 0, pp > 2, pp > 1), ranks, p_ranks, inflight,
+                                       extra)):
         t = np.where(here, c[1] * (per_p + bytes_per_p * (1 + frag))
                      + (stored * c[0] * c[2] + c[3]) * (1 + frag), -np.inf)
         if total is not None:
             take = t > total
-            choice = [np.where(take, new, old) for new, old in zip(c, choice)]
+            choice = [np.where(take, new, old) for new, old in zip([*c, float(i)], choice)]
         total = t if total is None else np.maximum(total, t)
-    layers, p_mp, f, ex = choice
+    layers, p_mp, f, ex, which = choice
     acts = stored * layers * f
     peak = acts + ex + bytes_per_p * p_mp
     return {**{k: p_mp * b for k, b in state.items()}, "mem_activations_bytes": acts,
             "mem_buffers_bytes": peak - acts, "mem_fixed_bytes": fixed_bytes + frag * peak,
-            "inflight_layers": layers * f}
+            "inflight_layers": layers * f, "peak_rank": which + 0.0 * acts}
 
 
 def rank_params(ranks: tuple[np.ndarray, np.ndarray, np.ndarray], pp: np.ndarray,

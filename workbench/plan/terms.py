@@ -19,8 +19,10 @@ import numpy as np
 
 from workbench.plan import stages
 from workbench.plan.coefficients import Coefficients
-from workbench.plan.columns import Columns, Recompute, Schedule
+from workbench.plan.columns import Columns, Schedule
 from workbench.plan.hardware import GpuSpec
+from workbench.plan.memory_terms import activation_bytes_per_token, state_bytes_per_param
+from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
 from workbench.plan.shapes import Linear, ModelShape
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
 
@@ -95,42 +97,13 @@ def fp8_operand_elems(ms: ModelShape, tp: np.ndarray) -> np.ndarray:
     return total
 
 
-def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp: np.ndarray
-                               ) -> dict[str, np.ndarray]:
-    """Korthikanti et al. (2022) itemization per token and layer, generalized to GQA/SwiGLU:
-    'rep' is replicated across TP ranks unless sequence parallel, 'split' is divided by TP,
-    'quad' is the s*s attention part (softmax, its dropout) that selective recompute drops."""
-    e, h = sw.act_bytes, ms.hidden
-    mask = 1.0 if sw.dropout else 0.0
-    rep = e * h * 4 + 2 * h * mask  # 2 norm inputs, qkv input, mlp input; 2 dropout masks
-    split = e * (2 * ms.q_width + 2 * ms.kv_width) + e * ms.ffn_hidden * (3 if ms.gated_mlp else 2)
-    if sw.flash_attention:
-        quad = 4.0 * ms.n_heads  # logsumexp statistics only
-    else:
-        quad = ms.n_heads * ms.seq_len * (e + mask * (1 + e))
-    rep_div = np.where(sp > 0, tp, 1.0)
-    return {"rep": rep / rep_div, "split": split / tp, "quad": quad / tp, "input": e * h / rep_div}
-
-
-def recompute_fractions(rc: np.ndarray, sw: Software) -> tuple[np.ndarray, np.ndarray]:
-    """(share of layers fully checkpointed, 1 where only the attention core is recomputed).
-
-    full: every layer keeps only its input (Korthikanti "full"). selective: without fused
-    attention, Korthikanti's selective recompute of the s*s attention core; with fused attention
-    there is no s*s tensor to drop, so selective means checkpointing every other layer
-    (torchtitan's selective layer policy, ac_freq=2)."""
-    if sw.flash_attention:
-        return np.where(rc == Recompute.FULL, 1.0, np.where(rc == Recompute.SELECTIVE, 0.5, 0.0)), \
-            np.zeros_like(rc)
-    return np.where(rc == Recompute.FULL, 1.0, 0.0), np.where(rc == Recompute.SELECTIVE, 1.0, 0.0)
-
-
 @dataclass(frozen=True)
 class Setup:
     """What every part reads: the layout columns and what they imply on one rank."""
 
     a: Columns
-    dps: np.ndarray  # the parameter-sharding group: dp_shard x cp (see Software)
+    dps: np.ndarray  # the parameter-sharding group: dp_shard (x cp where Software says so)
+    dpr: np.ndarray  # the gradient all-reduce group: dp_replicate (x cp in Megatron-Core)
     tok: np.ndarray  # tokens of one micro-batch on one rank (GEMM rows)
     ls: np.ndarray  # layers on the fullest pipeline rank
     ranks: tuple[np.ndarray, np.ndarray, np.ndarray]  # layers on the first, a middle, the last
@@ -151,7 +124,9 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
     traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
                                  else co.eager_elem_factor if sw.eager else 1.0)
-    return Setup(a=a, dps=a["dps"] * a["cp"], tok=tok, ls=ls, ranks=ranks,
+    cp_shard = a["cp"] if sw.cp_shards_params else 1.0
+    return Setup(a=a, dps=a["dps"] * cp_shard, dpr=a["dpr"] * (a["cp"] / cp_shard), tok=tok,
+                 ls=ls, ranks=ranks,
                  vv=np.where(a["sched"] == Schedule.INTERLEAVED_1F1B, a["v"], 1.0),
                  g_tok=_g(tok, co.mm_dim_half),
                  act=activation_bytes_per_token(ms, sw, a["tp"], a["sp"]), full_frac=full_frac,
@@ -184,7 +159,8 @@ def _gemm_s(linears: tuple[Linear, ...], x: Setup, co: Coefficients, sw: Softwar
     2.4 TB/s), so its time is set by bandwidth, not by FLOPs. Backward GEMMs (dX, dW)
     move the same operand and output sizes, so 2x forward stays right for them too."""
     tp, tok, e = x.a["tp"], x.tok, sw.act_bytes
-    mm_speed = co.fp8_mm_speedup if sw.precision == "fp8" else 1.0
+    mm_speed = 1.0 if sw.precision != "fp8" else co.fp8_te_mm_speedup \
+        if sw.fp8_scaling == "te_delayed" else co.fp8_mm_speedup
     op_bytes = 1.0 if sw.precision == "fp8" else e  # GEMM operand bytes (FP8: cast operands)
     t = 0.0
     for m, n, col in linears:
@@ -295,7 +271,7 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     emb = x.traffic * x.tok * x.act["input"] / x.hbm  # the lookup's rows, written once
     t_fwd, t_bwd, t_rec, t_tp, t_cp = stages.stage_times(
         x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
-    bw_pp = _bw(2, a["tp"] * a["dpr"] * x.dps, hw, co)  # neighbours one stage apart
+    bw_pp = _bw(2, a["tp"] * x.dpr * x.dps, hw, co)  # neighbours one stage apart
     p2p_bytes = x.tok * float(ms.hidden) * e / a["tp"]  # Megatron splits the boundary over TP
     t_p2p = np.where(a["pp"] > 1, 2 * x.vv * (p2p_bytes / bw_pp + co.p2p_latency_s), 0.0)
     p_layer = ms.mean_layer_params()
@@ -310,7 +286,7 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
                   st: Stage) -> tuple[np.ndarray, np.ndarray]:
     """(total, exposed) seconds of data-parallel traffic in one step: DDP all-reduce once a
     step, FSDP gathers + reduce-scatter per micro-batch."""
-    tp, dpr, dps, ga, ls = x.a["tp"], x.a["dpr"], x.dps, x.a["ga"], x.ls
+    tp, dpr, dps, ga, ls = x.a["tp"], x.dpr, x.dps, x.a["ga"], x.ls
     dp_elems = st.p_mp * ms.dp_bytes_ratio
     ov = co.dp_overlap if sw.overlap_dp else 0.0
     bw_dps, lat_dps = _link(dps, tp, hw, co)
@@ -323,7 +299,8 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
                                                                + sw.grad_reduce_bytes)
                        / bw_dps + 3 * lat_dps * (ls + 1), 0.0)
     fsdp_exposed = np.maximum(fsdp_mb * (1 - ov_fsdp), fsdp_mb - (st.fwd + st.bwd + st.rec))
-    bw_dpr, lat_dpr = _link(dpr, tp * dps, hw, co)
+    # CP ranks in the replicate group (Megatron-Core) sit next to the TP ranks: stride tp
+    bw_dpr, lat_dpr = _link(dpr, tp * np.where(dpr > x.a["dpr"], 1.0, dps), hw, co)
     ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
     ddp_lat = np.where(dpr > 1, lat_dpr, 0.0)
     if sw.dist_optimizer:  # reduce-scatter behind the last backward, gather behind a forward
@@ -342,10 +319,7 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     activations the schedule keeps alive at once)."""
     a, dps, tok, e, act, full_frac = x.a, x.dps, x.tok, sw.act_bytes, x.act, x.full_frac
     tp, pp, ga, w_bytes = a["tp"], a["pp"], a["ga"], st.w_bytes
-    state_per_param = np.where(dps > 1, 16.0 / dps, 16.0 if sw.precision == "fp32" else 18.0)
-    grad_b = np.where(dps > 1, 4.0 / dps, 4.0)
-    param_b = np.where(dps > 1, 4.0 / dps, w_bytes)
-    opt_b = state_per_param - grad_b - param_b
+    param_b, grad_b, opt_b = state_bytes_per_param(sw, dps, x.dpr, w_bytes)
     kv_others = tok * (a["cp"] - 1) * 2 * ms.kv_width / tp * e if sw.cp_allgather else 0.0
     # A compiled block (Inductor's min-cut partitioner) recomputes fused pointwise ops in the
     # backward instead of saving their outputs: the two norm outputs and the SwiGLU product.
@@ -366,13 +340,25 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
     # and fp32 gradient accumulators stay allocated for the whole step.
     fsdp_per_p = np.where((dps > 1) & (pp > 1), w_bytes + 4.0, 0.0)
-    first = np.where(pp > 1, 0.0, logits + np.where(dps > 1, (2 * w_bytes + 4.0) * max(
-        st.p_layer, ms.vocab * float(ms.hidden)) / tp, 0.0))
-    return stages.rank_memory(x.ranks, st.p_ranks, (factor, factor_mid, 1.0), stored,
-                              (first + working, working, logits + working), fsdp_per_p,
-                              {"mem_params_bytes": param_b, "mem_grads_bytes": grad_b,
-                               "mem_optimizer_bytes": opt_b}, co.mem_fixed_bytes, co.mem_frag,
-                              pp)
+    fsdp_flat = np.where((dps > 1) & (pp == 1), (2 * w_bytes + 4.0) * max(
+        st.p_layer, ms.vocab * float(ms.hidden)) / tp, 0.0)
+    # Pipeline send/recv: one boundary activation in and one out (Megatron splits it over TP).
+    p2p_buf = np.where(pp > 1, 2.0 * tok * float(ms.hidden) * e / tp, 0.0)
+    logits_first = np.where(pp > 1, 0.0, logits)
+    out = stages.rank_memory(x.ranks, st.p_ranks, (factor, factor_mid, 1.0), stored,
+                             (logits_first + fsdp_flat + working + p2p_buf, working + p2p_buf,
+                              logits + working + p2p_buf), fsdp_per_p,
+                             {"mem_params_bytes": param_b, "mem_grads_bytes": grad_b,
+                              "mem_optimizer_bytes": opt_b}, co.mem_fixed_bytes, co.mem_frag,
+                             pp)
+    rank = out.pop("peak_rank")  # the parts of mem_buffers_bytes and mem_fixed_bytes: --explain
+    logits_buf = np.where(rank == 2, logits, np.where(rank == 0, logits_first, 0.0))
+    peak = out["mem_activations_bytes"] + out["mem_buffers_bytes"]
+    return out | {"mem_buf_logits_bytes": logits_buf,
+                  "mem_buf_fsdp_bytes": out["mem_buffers_bytes"] - logits_buf - working - p2p_buf,
+                  "mem_buf_recompute_layer_bytes": working + 0.0 * tok,
+                  "mem_buf_p2p_bytes": p2p_buf, "mem_fragmentation_bytes": co.mem_frag * peak,
+                  "mem_peak_on_last_stage": (rank == 2).astype(np.float64)}
 
 
 def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns,
@@ -390,7 +376,8 @@ def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Col
         "time_tp_comm_s": ga * st.tp, "time_cp_comm_s": ga * st.cp, "time_pp_p2p_s": ga * st.p2p,
         "time_pp_bubble_s": (a["pp"] - 1) / x.vv * per_mb,
         "time_dp_comm_exposed_s": dp_exposed,
-        "time_optimizer_s": OPTIMIZER_BYTES_PER_PARAM * st.p_mp / x.dps / x.hbm + 0.0 * a["tp"],
+        "time_optimizer_s": OPTIMIZER_BYTES_PER_PARAM * st.p_mp / x.hbm
+        / (x.dps * (x.dpr if sw.dist_optimizer else 1.0)),
     }
     out["step_time_s"] = sum(out[k] for k in TIME_TERMS)
     out["time_dp_comm_overlapped_s"] = dp_total - dp_exposed

@@ -67,26 +67,32 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
     scaling from the precision text (torchao's default recipe is tensorwise), CP load balancing
     is assumed unless the notes say otherwise."""
     p, n = precision.upper(), notes.lower().replace(" ", "")
-    zero3, torch_fsdp = "ZERO" in shard.upper(), "FSDP" in shard.upper()
+    up = shard.upper().replace(" ", "")
+    zero3, torch_fsdp = "ZERO-3" in up or "ZERO3" in up, "FSDP" in up
     # PyTorch-FSDP stacks (torchtitan) run eager elementwise ops unless compiled; torchao Float8
     # needs torch.compile to fuse its amax/casts (torchao/torchtitan float8 docs), so their FP8
     # rows count as compiled. Megatron/TE rows keep their fused kernels (neither flag).
     compiled = "compile" in n or (torch_fsdp and "FP8" in p)
     facts = {"overlap_tp": "tp-comm-overlap" in n, "async_tp": "asynctp" in n,
-             "dist_optimizer": "overlap-param-gather" in n, "compiled": compiled,
-             "eager": torch_fsdp and not compiled,
+             "dist_optimizer": "overlap-param-gather" in n or "ZERO-1" in up, "compiled": compiled,
+             "eager": (torch_fsdp and not compiled) or "eager-elementwise" in n,
              "dp_stack": "deepspeed_zero3" if zero3 else "fsdp",
              "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n,
-             "batch_first_sp": torch_fsdp}
+             "batch_first_sp": torch_fsdp,
+             # Megatron-Core / NeMo put CP ranks in the data-parallel group, not a shard group
+             "cp_shards_params": torch_fsdp or zero3,
+             # Megatron-Core's grad buffer is 16 bit unless told to accumulate in fp32
+             "grad_buffer_bytes": 2.0 if "grad-buffer-bf16" in n else 4.0}
     if "FP8" in p:
         return Software(precision="fp8", **facts,
-                        fp8_scaling="rowwise" if "ROWWISE" in p else "tensorwise")
+                        fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
+                        if "TE" in p.replace("(", " ").split() else "tensorwise")
     if "FP16" in p:
         return Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=zero3,
                         grad_reduce_bytes=2.0, **facts)
     if "FP32" in p and "BF16" not in p:
         return Software(precision="fp32", **facts)
-    return Software(precision="bf16", **facts)
+    return Software(precision="bf16", flash_attention="noflash" not in n, **facts)
 
 
 def _recompute(text: str) -> str:

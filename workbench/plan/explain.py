@@ -1,0 +1,101 @@
+"""`python -m workbench.plan ... --explain LAYOUT`: where one layout's memory and time go.
+
+A planner that says "does not fit" or "fits" is only useful if a user can check why: this prints
+the peak-memory itemization of the rank that peaks (weights, gradients, optimizer states,
+activations, each buffer, fragmentation and fixed allowances) and the step-time terms, from the
+same `terms.evaluate` the ranking uses, so the parts always add up to what the ranking printed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.config import ClusterConfig, ConfigError, LowRankConfig, ModelConfig, TrainConfig
+from workbench.layout import Layout
+from workbench.layout import validate as validate_layout
+from workbench.plan.coefficients import coefficients
+from workbench.plan.columns import layout_columns
+from workbench.plan.costmodel import _to_estimate, hardware_for, software_for
+from workbench.plan.hardware import GIB
+from workbench.plan.shapes import model_shape
+from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate
+from workbench.plan.validate import engine_only
+
+# (label, key in terms.evaluate) in print order; the buffer and fixed lines are their parts.
+MEMORY_LINES = (
+    ("weights", "mem_params_bytes"), ("gradients", "mem_grads_bytes"),
+    ("optimizer states", "mem_optimizer_bytes"), ("activations", "mem_activations_bytes"),
+    ("buffers: logits + loss", "mem_buf_logits_bytes"),
+    ("buffers: FSDP gathered weights/grads", "mem_buf_fsdp_bytes"),
+    ("buffers: recomputed working layer", "mem_buf_recompute_layer_bytes"),
+    ("buffers: pipeline send/recv", "mem_buf_p2p_bytes"),
+    ("allocator fragmentation", "mem_fragmentation_bytes"),
+)
+FIXED_LABEL = "fixed (CUDA context, NCCL, cuBLAS)"
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """One layout's itemized peak memory (bytes, summing to peak_bytes) and step time (s)."""
+
+    layout: Layout
+    memory_bytes: dict[str, float]
+    peak_bytes: float
+    hbm_bytes: float
+    margin_bytes: float
+    peak_on_last_stage: bool
+    time_s: dict[str, float]
+    step_time_s: float
+    mfu: float
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes + self.margin_bytes <= self.hbm_bytes
+
+
+def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key: str,
+            lowrank: LowRankConfig | None = None, margin_gib: float = 0.0) -> Explanation:
+    """Itemize the layout `key` (a Layout key as the ranking prints it)."""
+    try:
+        layout = Layout.from_key(key)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("--explain", key, f"a layout key as the ranking prints it ({e})"
+                          ) from None
+    try:
+        validate_layout(layout, model, layout.world_size)
+    except ConfigError as e:
+        if not engine_only(e):  # a rule of the cost, not only of this repository's engine
+            raise
+    if margin_gib < 0:
+        raise ConfigError("--margin-gib", margin_gib, "a non-negative number of GiB")
+    ms, hw = model_shape(model, lowrank), hardware_for(cluster)
+    sw, co = software_for(train, cluster), coefficients(cluster)
+    a = layout_columns([layout])
+    t = evaluate(ms, hw, co, sw, a, float(layout.global_batch))
+    est = _to_estimate(t, ms, hw, sw, a, float(layout.global_batch), layout.world_size, 0)
+    mem = {label: float(t[k][0]) for label, k in MEMORY_LINES}
+    mem[FIXED_LABEL] = float(t["mem_fixed_bytes"][0] - t["mem_fragmentation_bytes"][0])
+    return Explanation(layout=layout, memory_bytes=mem,
+                       peak_bytes=float(sum(t[k][0] for k in MEM_TERMS)),
+                       hbm_bytes=hw.hbm_bytes, margin_bytes=margin_gib * GIB,
+                       peak_on_last_stage=bool(t["mem_peak_on_last_stage"][0]),
+                       time_s={k: float(t[k][0]) for k in TIME_TERMS},
+                       step_time_s=est.step_time_s, mfu=est.mfu)
+
+
+def render(x: Explanation) -> list[str]:
+    """The lines `--explain` prints."""
+    where = "last pipeline stage (logits)" if x.peak_on_last_stage else "first pipeline stage"
+    out = [f"layout {x.layout.key()}  ({x.layout.world_size} GPUs)",
+           f"peak memory per GPU, on the {where if x.layout.pp > 1 else 'one stage'}:"]
+    for label, b in x.memory_bytes.items():
+        out.append(f"  {label:<40}{b / GIB:>10.2f} GiB")
+    verdict = "fits" if x.fits else "does NOT fit"
+    out += [f"  {'total':<40}{x.peak_bytes / GIB:>10.2f} GiB",
+            f"  {verdict} in {x.hbm_bytes / GIB:.1f} GiB with a {x.margin_bytes / GIB:.1f} GiB "
+            f"margin (headroom {(x.hbm_bytes - x.peak_bytes) / GIB:.2f} GiB)",
+            "step time:"]
+    for k, s in x.time_s.items():
+        out.append(f"  {k.removeprefix('time_').removesuffix('_s'):<40}{s:>10.4f} s")
+    out.append(f"  {'total':<40}{x.step_time_s:>10.4f} s   (MFU {x.mfu:.1%})")
+    return out

@@ -1,0 +1,59 @@
+"""Memory items of the cost model that depend only on the model, the stack and the degrees:
+activation bytes per token and layer (Korthikanti et al. 2022), which layers the recompute policy
+keeps, and the bytes of weights, gradients and optimizer state per parameter. workbench.plan.terms
+multiplies them out per stage and schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.plan.columns import Recompute
+from workbench.plan.shapes import ModelShape
+from workbench.plan.software import Software
+
+
+def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp: np.ndarray
+                               ) -> dict[str, np.ndarray]:
+    """Korthikanti et al. (2022) itemization per token and layer, generalized to GQA/SwiGLU:
+    'rep' is replicated across TP ranks unless sequence parallel, 'split' is divided by TP,
+    'quad' is the s*s attention part (softmax, its dropout) that selective recompute drops."""
+    e, h = sw.act_bytes, ms.hidden
+    mask = 1.0 if sw.dropout else 0.0
+    rep = e * h * 4 + 2 * h * mask  # 2 norm inputs, qkv input, mlp input; 2 dropout masks
+    split = e * (2 * ms.q_width + 2 * ms.kv_width) + e * ms.ffn_hidden * (3 if ms.gated_mlp else 2)
+    if sw.flash_attention:
+        quad = 4.0 * ms.n_heads  # logsumexp statistics only
+    else:
+        quad = ms.n_heads * ms.seq_len * (e + mask * (1 + e))
+    rep_div = np.where(sp > 0, tp, 1.0)
+    return {"rep": rep / rep_div, "split": split / tp, "quad": quad / tp, "input": e * h / rep_div}
+
+
+def recompute_fractions(rc: np.ndarray, sw: Software) -> tuple[np.ndarray, np.ndarray]:
+    """(share of layers fully checkpointed, 1 where only the attention core is recomputed).
+
+    full: every layer keeps only its input (Korthikanti "full"). selective: without fused
+    attention, Korthikanti's selective recompute of the s*s attention core; with fused attention
+    there is no s*s tensor to drop, so selective means checkpointing every other layer
+    (torchtitan's selective layer policy, ac_freq=2)."""
+    if sw.flash_attention:
+        return np.where(rc == Recompute.FULL, 1.0, np.where(rc == Recompute.SELECTIVE, 0.5, 0.0)), \
+            np.zeros_like(rc)
+    return np.where(rc == Recompute.FULL, 1.0, 0.0), np.where(rc == Recompute.SELECTIVE, 1.0, 0.0)
+
+
+def state_bytes_per_param(sw: Software, dps: np.ndarray, dpr: np.ndarray, w_bytes: float
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(weights, gradients, optimizer) bytes per parameter of one rank's model-parallel shard.
+
+    FSDP (dps > 1) keeps fp32 weights, gradients and Adam m, v sharded (4 + 4 + 8 over dps).
+    Unsharded: 16-bit working weights, a gradient buffer, and fp32 master + m + v (12; 8 in
+    fp32, where the weights are the master). A distributed optimizer (Megatron-Core, NeMo's
+    distributed fused Adam, ZeRO-1) shards only those 12 bytes over its data-parallel group
+    (dp x cp in Megatron-Core): Megatron-LM docs/distrib_optimizer.md, 6 + 12/d bytes for
+    bf16 weights with fp32 gradients, 4 + 12/d with 16-bit gradient buffers."""
+    master = 8.0 if w_bytes >= 4 else 12.0
+    grad_full = max(sw.grad_buffer_bytes, w_bytes)
+    opt_full = np.where(sw.dist_optimizer, master / np.maximum(dpr, 1), master)
+    return (np.where(dps > 1, 4.0 / dps, w_bytes), np.where(dps > 1, 4.0 / dps, grad_full),
+            np.where(dps > 1, 8.0 / dps, opt_full))
