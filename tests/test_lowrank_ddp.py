@@ -15,7 +15,7 @@ SMALL = ["model.n_layers=4", "model.hidden=64", "model.ffn_hidden=256", "model.s
          "train.steps=30", "train.global_batch=8", "train.micro_batch=4",
          "train.warmup_steps=3", "train.eval_every=10", "data.max_bytes=400000",
          "lowrank.keep_first_blocks=0", "lowrank.keep_last_blocks=0", "lowrank.check_every=2",
-         "lowrank.window=3", "lowrank.powersgd_start_iter=5", "sweep.name=lr_ci"]
+         "lowrank.powersgd_start_iter=5", "sweep.name=lr_ci"]
 
 
 def test_lowrank_sweep_on_two_ddp_ranks(workdir):

@@ -25,7 +25,7 @@ from workbench.places import SWEEPS_DIR, tracking_uri
 from workbench.track.tracker import reading_client
 
 SERIES = ("loss", "val_loss", "tokens_per_s", "comm/bytes_per_step", "params/trainable",
-          "step_time_s", "lowrank/switch_step")
+          "step_time_s", "lowrank/switch_step", "lowrank/switch_forced")
 
 
 @dataclass
@@ -145,6 +145,8 @@ def summary_rows(runs: Sequence[RunData]) -> list[dict[str, Any]]:
             "params_trainable": r.final("params/trainable"),
             "switch_step": sw if sw is not None else "",
             "switch_frac": f"{sw / steps:.3f}" if sw is not None and steps else "",
+            "switch_forced": ("yes" if r.final("lowrank/switch_forced") == 1 else "no")
+            if sw is not None and r.params.get("lowrank.mode") == "adaptive" else "",
             "layers_lowrank": len(ranks),
             "mean_rank": f"{statistics.mean(ranks):.1f}" if ranks else "",
         })
@@ -153,7 +155,7 @@ def summary_rows(runs: Sequence[RunData]) -> list[dict[str, Any]]:
 
 COLUMNS = ("run", "steps", "tokens", "final_val_loss", "val_loss_gap_pct", "tokens_per_s",
            "bytes_per_step", "bytes_reduction_pct", "params_trainable", "switch_step",
-           "switch_frac", "layers_lowrank", "mean_rank", "run_id")
+           "switch_frac", "switch_forced", "layers_lowrank", "mean_rank", "run_id")
 
 
 def _fmt(v: Any) -> str:
