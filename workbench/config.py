@@ -139,7 +139,7 @@ class LowRankConfig:
     straggler_relax: float = 2.0  # ... their threshold is multiplied by this
     energy: float = 0.9  # energy_rank: share of ||W - W0||_F^2 the directions hold
     min_switch_frac: float = 0.05
-    max_switch_frac: float = 0.25
+    max_switch_frac: float = 0.5
     switch_frac: float = 0.1  # fixed: switch at this fraction of training
     rank_ratio: float = 0.25  # fixed: rank as a fraction of min(m, n)
     lr_rescale: float = 1.0

@@ -42,7 +42,7 @@ class SwitchDetector:
     def __init__(self, crit: Criterion):
         self.crit = crit
         self.last: dict[str, tuple[float, float]] = {}  # name -> (progress %, level)
-        self.rate: dict[str, float] = {}  # smoothed |d level / d progress| per 1%
+        self.rate: dict[str, float] = {}  # smoothed d level / d progress, per 1%
         self.below_since: dict[str, float | None] = {}  # progress % it went below
         self.prev_rate: dict[str, float] = {}  # the smoothed rate at the check before
         self.step_pct: dict[str, float] = {}  # progress between the last two checks
@@ -57,7 +57,7 @@ class SwitchDetector:
                 self.below_since.setdefault(name, None)
                 continue
             dp = progress_pct - prev[0]
-            raw = abs(level - prev[1]) / dp
+            raw = (level - prev[1]) / dp  # signed: jitter cancels, a trend does not
             self.step_pct[name] = dp
             if name in self.rate:
                 self.prev_rate[name] = self.rate[name]
@@ -84,7 +84,7 @@ class SwitchDetector:
             for name in sorted(self.last):
                 if name in self.latched:
                     continue
-                rate = self.rate.get(name, math.inf)
+                rate = abs(self.rate.get(name, math.inf))
                 if rate >= self.threshold(name):
                     self.below_since[name] = None
                     continue
@@ -102,6 +102,7 @@ class SwitchDetector:
         """When the smoothed rate fell below the threshold, interpolated linearly between
         the last two checks (so that sparse checks do not delay the start of the window)."""
         before, dp = self.prev_rate.get(name), self.step_pct.get(name, 0.0)
+        before = None if before is None else abs(before)
         thr = self.threshold(name)
         if before is None or before <= thr or before <= rate:
             return progress_pct
