@@ -256,6 +256,27 @@ def plots(runs: Sequence[RunData], out: Path) -> list[str]:
     return names
 
 
+def signal_plots(c: Any, runs: Sequence[RunData], out: Path) -> list[str]:
+    """Each adaptive run's switch-signal plot (lowrank/signals.png), copied beside the report:
+    the switch's audit trail (every layer's signals, threshold, latches) next to its cost."""
+    import shutil
+    import tempfile
+
+    names = []
+    for r in runs:
+        if r.params.get("lowrank.mode") != "adaptive":
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                got = c.download_artifacts(r.run_id, "lowrank/signals.png", tmp)
+            except Exception:  # an older run, or one stopped before it plotted
+                continue
+            name = f"signals_{r.label.replace('#', '_')}.png"
+            shutil.copy(got, out / name)
+            names.append(name)
+    return names
+
+
 def build(c: Any, run_ids: Sequence[str], out: Path) -> dict[str, Any]:
     """Write the report files into `out`; returns the rows and file names."""
     if not run_ids:
@@ -264,7 +285,7 @@ def build(c: Any, run_ids: Sequence[str], out: Path) -> dict[str, Any]:
     runs = load(c, run_ids)
     rows = summary_rows(runs)
     ranks = rank_table(runs)
-    images = plots(runs, out)
+    images = plots(runs, out) + signal_plots(c, runs, out)
     md = (f"# Comparison of {len(runs)} runs\n\nbaseline: `{baseline(runs).label}` "
           f"(gaps and byte reductions are relative to it; bytes: median of the last quarter "
           f"of steps, measured)\n\n{markdown(rows)}\n\n## Ranks after the switch\n\n{ranks}\n\n"
