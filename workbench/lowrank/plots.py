@@ -51,7 +51,8 @@ def plot_signals(history: dict[str, list[list[float]]], shapes: dict[str, tuple[
         full = float(min(shapes[name]))
         x = [100.0 * r[0] / total_steps for r in rows]
         for ax, col, _ in panels:
-            y = [r[col] * (100.0 / full if col in (2, 3) else 1.0) for r in rows]
+            y = [abs(r[col]) if col == 5 else r[col] * (100.0 / full if col in (2, 3) else 1.0)
+                 for r in rows]
             line, = ax.plot(x, y, lw=0.8, label=name)
             latched = detector.latched.get(name)
             if col == 5 and latched is not None:
@@ -59,6 +60,7 @@ def plot_signals(history: dict[str, list[list[float]]], shapes: dict[str, tuple[
                 ax.plot([x[at]], [y[at]], "o", ms=3, color=line.get_color())
     axes[1][1].axhline(detector.crit.threshold, color="k", lw=1, ls=":", label="threshold")
     axes[1][1].set_yscale("log")
+    axes[1][1].set_ylim(bottom=detector.crit.threshold / 100)
     for ax, _, title in panels:
         ax.set_title(title, fontsize=9)
         ax.axvline(detector.crit.warmup_pct, color="grey", lw=0.8, ls=":")
