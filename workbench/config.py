@@ -133,7 +133,7 @@ class LowRankConfig:
     # adaptive: the switch criterion, in units of training progress (detector.py)
     signal: str = "rank"  # rank | stable_rank | energy_rank | subspace (signals.py)
     threshold: float = 0.5  # settled below this |change| per 1% of training, % of full rank
-    smooth_pct: float = 2.0  # EMA time constant of the rate, % of training
+    smooth_pct: float = 5.0  # EMA time constant of the rate, % of training
     window_pct: float = 5.0  # a layer latches after this long below threshold, % of training
     straggler_layers: int = 1  # when at most this many layers are still open ...
     straggler_relax: float = 2.0  # ... their threshold is multiplied by this
