@@ -58,7 +58,9 @@ def main() -> int:
     ap.add_argument("run_dir")
     ap.add_argument("--thresholds", default="0.25,0.5,1,2")
     a = ap.parse_args()
-    ckpts = sorted(glob.glob(f"{a.run_dir}/checkpoints/step_*.pt"))
+    # one process: step_N.pt; several: a folder per layout and step, rank 0's extras
+    ckpts = sorted(glob.glob(f"{a.run_dir}/checkpoints/step_*.pt")) or \
+        sorted(glob.glob(f"{a.run_dir}/checkpoints/*/step_*/extra_rank00000.pt"))
     if not ckpts:
         print(f"error: {a.run_dir}: no checkpoint (run_dir of a finished run?)", file=sys.stderr)
         return 2
@@ -80,7 +82,7 @@ def _print(a: argparse.Namespace, state: dict) -> int:
         lv = levels(state, signal)
         for thr in (float(t) for t in a.thresholds.split(",")):
             crit = Criterion(thr, lr["smooth_pct"], lr["window_pct"], 100.0 * warm / total,
-                             lr["straggler_layers"], lr["straggler_relax"])
+                             lr.get("straggler_frac", 0.1), lr["straggler_relax"])
             (p1, open1), (p4, _) = replay(lv, total, crit, 1), replay(lv, total, crit, 4)
             fmt = lambda p: "-" if p is None else f"{p:.1f}%"  # noqa: E731
             print(f"| {signal} | {thr:g} | {fmt(p1)} | {fmt(p4)} | {open1} |")

@@ -59,7 +59,7 @@ def test_stable_rank_of_equal_singular_values_is_k():
 
 
 CRIT = Criterion(threshold=0.5, smooth_pct=5.0, window_pct=5.0, warmup_pct=5.0,
-                 straggler_layers=1, straggler_relax=2.0)
+                 straggler_frac=0.1, straggler_relax=2.0)
 
 
 def _fire_pct(traj, total_steps: int, check_every: int, crit: Criterion = CRIT) -> float | None:
@@ -133,9 +133,9 @@ def test_stragglers_get_a_relaxed_threshold():
     # threshold doubles to 1.0 > 0.75, and it latches after a window below that: at 15%
     assert _fire_pct(traj, 1000, 10) == pytest.approx(15.0)
     strict = Criterion(threshold=0.5, smooth_pct=2.0, window_pct=5.0, warmup_pct=5.0,
-                       straggler_layers=0)
+                       straggler_frac=0.0)
     assert _fire_pct(traj, 1000, 10, strict) is None
-    # two slow layers are not "a few" when straggler_layers=1: neither gets relaxed
+    # two slow layers of four are not "a few" (at most 10%, at least one): neither relaxed
     assert _fire_pct(lambda p: {**traj(p), "slow2": 80.0 - 0.75 * p}, 1000, 10) is None
 
 
@@ -172,7 +172,7 @@ def test_should_switch_bounds():
     ("lowrank.threshold=0", "lowrank.threshold"),
     ("lowrank.smooth_pct=-1", "lowrank.smooth_pct"),
     ("lowrank.window_pct=101", "lowrank.window_pct"),
-    ("lowrank.straggler_layers=-1", "lowrank.straggler_layers"),
+    ("lowrank.straggler_frac=1", "lowrank.straggler_frac"),
     ("lowrank.straggler_relax=0.5", "lowrank.straggler_relax"),
     ("lowrank.energy=0", "lowrank.energy"),
     ("lowrank.check_every=0", "lowrank.check_every"),

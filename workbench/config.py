@@ -132,10 +132,10 @@ class LowRankConfig:
     keep_last_blocks: int = 1
     # adaptive: the switch criterion, in units of training progress (detector.py)
     signal: str = "rank"  # rank | stable_rank | energy_rank | subspace (signals.py)
-    threshold: float = 0.5  # settled below this |change| per 1% of training, % of full rank
+    threshold: float = 1.0  # settled below this |change| per 1% of training, % of full rank
     smooth_pct: float = 5.0  # EMA time constant of the rate, % of training
     window_pct: float = 5.0  # a layer latches after this long below threshold, % of training
-    straggler_layers: int = 1  # when at most this many layers are still open ...
+    straggler_frac: float = 0.1  # when at most this share of layers (>= 1) is still open ...
     straggler_relax: float = 2.0  # ... their threshold is multiplied by this
     energy: float = 0.9  # energy_rank: share of ||W - W0||_F^2 the directions hold
     min_switch_frac: float = 0.05
@@ -252,7 +252,7 @@ def _validate_lowrank(lr: LowRankConfig) -> None:
              ("threshold", lr.threshold > 0, "must be > 0 (% of full rank per 1% of training)"),
              ("smooth_pct", lr.smooth_pct > 0, "must be > 0 (% of training)"),
              ("window_pct", 0 <= lr.window_pct <= 100, "must be in [0, 100] (% of training)"),
-             ("straggler_layers", lr.straggler_layers >= 0, "must be >= 0"),
+             ("straggler_frac", 0 <= lr.straggler_frac < 1, "must be in [0, 1)"),
              ("straggler_relax", lr.straggler_relax >= 1, "must be >= 1"),
              ("energy", 0 < lr.energy <= 1, "must be in (0, 1]"),
              ("min_switch_frac", 0 <= lr.min_switch_frac <= 1, "must be in [0, 1]"),

@@ -37,7 +37,7 @@ def criterion(cfg: RunConfig) -> Criterion:
     lr, t = cfg.lowrank, cfg.train
     return Criterion(threshold=lr.threshold, smooth_pct=lr.smooth_pct,
                      window_pct=lr.window_pct, warmup_pct=100.0 * t.warmup_steps / t.steps,
-                     straggler_layers=lr.straggler_layers, straggler_relax=lr.straggler_relax)
+                     straggler_frac=lr.straggler_frac, straggler_relax=lr.straggler_relax)
 
 
 def merged(engine: Engine, local: dict[str, Any]) -> dict[str, Any]:
