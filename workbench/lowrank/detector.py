@@ -62,11 +62,11 @@ class SwitchDetector:
             dp = progress_pct - prev[0]
             raw = (level - prev[1]) / dp  # signed: jitter cancels, a trend does not
             self.step_pct[name] = dp
-            if name in self.rate:
-                self.prev_rate[name] = self.rate[name]
             if name not in self.rate:
                 self.rate[name] = raw  # seeded with the first rate: no start-up lag
             else:
+                self.prev_rate[name] = self.rate[name]
+                # exact for a rate held constant between checks, whatever their spacing
                 keep = math.exp(-dp / self.crit.smooth_pct)
                 self.rate[name] = keep * self.rate[name] + (1 - keep) * raw
         self._update_latches(progress_pct)
