@@ -3,15 +3,18 @@
 Runs `+sweep=lowrank_vs_fullrank` on a >= 10M-parameter model (gpt_small, 14M, at seq_len 128)
 trained on the embedded corpus, every mode with the same data, seed and token budget, then
 prints the comparison table (measured bytes per step, final val_loss and its gap to full rank,
-tokens/s, switch step, ranks) and checks the issue's targets:
+tokens/s, switch step and whether the cap forced it, ranks) and checks the targets:
 
-- adaptive sends >= 40% fewer bytes per step than full rank after the switch (measured);
-- adaptive's final val_loss is within 2% of full rank's at equal tokens;
-- the automatic switch lands between 5% and 25% of training.
+- adaptive sends >= 50% fewer bytes per step than full rank after the switch (measured);
+- adaptive's final val_loss is within 1% of full rank's at equal tokens;
+- the switch came from the detector, not from the max_switch_frac cap.
 
-    python benchmarks/lowrank_cpu.py [--steps 150] [--out DIR] [overrides...]
+    python benchmarks/lowrank_cpu.py [--steps 150] [--modes off,adaptive,...] [--out DIR]
+                                     [overrides...]
 
-On 2 shared CPU cores this takes tens of minutes (4 runs of a 14M model).
+On 2 shared CPU cores this takes tens of minutes (4 runs of a 14M model; `--modes off,adaptive`
+halves it). At 150 steps the stable ranks are still falling and the switch is forced; the
+detector needs a run whose spectra settle (see README, Low-rank training).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ MODEL = ["model=gpt_small", "model.seq_len=128", "train.global_batch=8",
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--modes", default="off,adaptive,fixed,powersgd",
+                    help="the lowrank.mode values to compare (off is the baseline)")
     ap.add_argument("--out", default="")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
@@ -42,6 +47,10 @@ def main() -> int:
     name = "lowrank_cpu"
     cmd = [sys.executable, "-m", "workbench.run", "+sweep=lowrank_vs_fullrank",
            f"sweep.name={name}", *MODEL, f"train.steps={a.steps}", *a.overrides]
+    modes = a.modes.split(",")
+    if modes != ["off", "adaptive", "fixed", "powersgd"]:
+        cmd += [f"sweep.space.lowrank.mode=[{','.join(modes)}]", f"sweep.n_trials={len(modes)}",
+                f"sweep.array_size={len(modes)}"]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, check=False)
     wall_s = time.time() - t0
@@ -54,9 +63,10 @@ def main() -> int:
     ad = by.get("adaptive", {})
     frac = float(ad.get("switch_frac") or "nan")
     checks = {
-        "adaptive bytes/step reduction >= 40%": ad.get("bytes_reduction_pct", 0) >= 40.0,
-        "adaptive val_loss within 2% of full rank": abs(ad.get("val_loss_gap_pct", 1e9)) <= 2.0,
-        "switch between 5% and 25% of training": 0.05 <= frac <= 0.25,
+        "adaptive bytes/step reduction >= 50%": ad.get("bytes_reduction_pct", 0) >= 50.0,
+        "adaptive val_loss within 1% of full rank": ad.get("val_loss_gap_pct", 1e9) <= 1.0,
+        f"switch by the detector (at {100 * frac:.1f}% of training), not forced by the cap":
+            ad.get("switch_forced") == "no",
     }
     print(f"\nsweep wall-clock: {wall_s:.0f} s; report: {out / 'sweeps' / name / 'report'}")
     for what, ok in checks.items():

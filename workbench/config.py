@@ -133,11 +133,16 @@ class LowRankConfig:
     round_to: int = 1
     keep_first_blocks: int = 1
     keep_last_blocks: int = 1
-    ema: float = 0.8
-    window: int = 5
-    epsilon: float = 0.02
+    # adaptive: the switch criterion, in units of training progress (detector.py)
+    signal: str = "rank"  # rank | stable_rank | energy_rank | subspace (signals.py)
+    threshold: float = 1.0  # settled below this |change| per 1% of training, % of full rank
+    smooth_pct: float = 5.0  # EMA time constant of the rate, % of training
+    window_pct: float = 5.0  # a layer latches after this long below threshold, % of training
+    straggler_frac: float = 0.1  # when at most this share of layers (>= 1) is still open ...
+    straggler_relax: float = 2.0  # ... their threshold is multiplied by this
+    energy: float = 0.9  # energy_rank: share of ||W - W0||_F^2 the directions hold
     min_switch_frac: float = 0.05
-    max_switch_frac: float = 0.25
+    max_switch_frac: float = 0.5
     switch_frac: float = 0.1  # fixed: switch at this fraction of training
     rank_ratio: float = 0.25  # fixed: rank as a fraction of min(m, n)
     lr_rescale: float = 1.0
@@ -197,6 +202,7 @@ CHOICES: Dict[str, List[str]] = {
     "train.dtype": ["auto", "fp32", "bf16"],
     "data.name": ["stdlib", "tokens"],
     "lowrank.mode": ["off", "adaptive", "fixed", "powersgd"],
+    "lowrank.signal": ["rank", "stable_rank", "energy_rank", "subspace"],
     "launcher.name": ["local", "torchrun", "slurm"],
     "tracking.backend": ["mlflow", "none"],
 }
@@ -243,6 +249,23 @@ def _validate_mixture(d: DataConfig) -> None:
                               "a folder made by python -m workbench.data.prepare or stdlib:PART")
 
 
+def _validate_lowrank(lr: LowRankConfig) -> None:
+    """The switch criterion's numbers: each names its key and range when out of it."""
+    rules = [("check_every", lr.check_every > 0, "must be > 0 (steps between checks)"),
+             ("threshold", lr.threshold > 0, "must be > 0 (% of full rank per 1% of training)"),
+             ("smooth_pct", lr.smooth_pct > 0, "must be > 0 (% of training)"),
+             ("window_pct", 0 <= lr.window_pct <= 100, "must be in [0, 100] (% of training)"),
+             ("straggler_frac", 0 <= lr.straggler_frac < 1, "must be in [0, 1)"),
+             ("straggler_relax", lr.straggler_relax >= 1, "must be >= 1"),
+             ("energy", 0 < lr.energy <= 1, "must be in (0, 1]"),
+             ("min_switch_frac", 0 <= lr.min_switch_frac <= 1, "must be in [0, 1]"),
+             ("max_switch_frac", lr.min_switch_frac <= lr.max_switch_frac <= 1,
+              f"must be in [lowrank.min_switch_frac={lr.min_switch_frac}, 1]")]
+    for key, ok, valid in rules:
+        if not ok:
+            raise ConfigError(f"lowrank.{key}", getattr(lr, key), valid)
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field rules of a run config; raises ConfigError naming the first bad key."""
     for key, valid in CHOICES.items():
@@ -279,6 +302,7 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 < cfg.data.val_frac < 0.5:
         raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
     _validate_mixture(cfg.data)
+    _validate_lowrank(cfg.lowrank)
     if cfg.data.name == "tokens" and not cfg.data.path and not cfg.data.sources:
         raise ConfigError("data.path", cfg.data.path,
                           "data=tokens needs a folder made by python -m workbench.data.prepare")

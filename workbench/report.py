@@ -25,7 +25,7 @@ from workbench.places import SWEEPS_DIR, tracking_uri
 from workbench.track.tracker import reading_client
 
 SERIES = ("loss", "val_loss", "tokens_per_s", "comm/bytes_per_step", "params/trainable",
-          "step_time_s", "lowrank/switch_step")
+          "step_time_s", "lowrank/switch_step", "lowrank/switch_forced")
 
 
 @dataclass
@@ -145,6 +145,8 @@ def summary_rows(runs: Sequence[RunData]) -> list[dict[str, Any]]:
             "params_trainable": r.final("params/trainable"),
             "switch_step": sw if sw is not None else "",
             "switch_frac": f"{sw / steps:.3f}" if sw is not None and steps else "",
+            "switch_forced": ("yes" if r.final("lowrank/switch_forced") == 1 else "no")
+            if sw is not None and r.params.get("lowrank.mode") == "adaptive" else "",
             "layers_lowrank": len(ranks),
             "mean_rank": f"{statistics.mean(ranks):.1f}" if ranks else "",
         })
@@ -153,7 +155,7 @@ def summary_rows(runs: Sequence[RunData]) -> list[dict[str, Any]]:
 
 COLUMNS = ("run", "steps", "tokens", "final_val_loss", "val_loss_gap_pct", "tokens_per_s",
            "bytes_per_step", "bytes_reduction_pct", "params_trainable", "switch_step",
-           "switch_frac", "layers_lowrank", "mean_rank", "run_id")
+           "switch_frac", "switch_forced", "layers_lowrank", "mean_rank", "run_id")
 
 
 def _fmt(v: Any) -> str:
@@ -254,6 +256,27 @@ def plots(runs: Sequence[RunData], out: Path) -> list[str]:
     return names
 
 
+def signal_plots(c: Any, runs: Sequence[RunData], out: Path) -> list[str]:
+    """Each adaptive run's switch-signal plot (lowrank/signals.png), copied beside the report:
+    the switch's audit trail (every layer's signals, threshold, latches) next to its cost."""
+    import shutil
+    import tempfile
+
+    names = []
+    for r in runs:
+        if r.params.get("lowrank.mode") != "adaptive":
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                got = c.download_artifacts(r.run_id, "lowrank/signals.png", tmp)
+            except Exception:  # an older run, or one stopped before it plotted
+                continue
+            name = f"signals_{r.label.replace('#', '_')}.png"
+            shutil.copy(got, out / name)
+            names.append(name)
+    return names
+
+
 def build(c: Any, run_ids: Sequence[str], out: Path) -> dict[str, Any]:
     """Write the report files into `out`; returns the rows and file names."""
     if not run_ids:
@@ -262,7 +285,7 @@ def build(c: Any, run_ids: Sequence[str], out: Path) -> dict[str, Any]:
     runs = load(c, run_ids)
     rows = summary_rows(runs)
     ranks = rank_table(runs)
-    images = plots(runs, out)
+    images = plots(runs, out) + signal_plots(c, runs, out)
     md = (f"# Comparison of {len(runs)} runs\n\nbaseline: `{baseline(runs).label}` "
           f"(gaps and byte reductions are relative to it; bytes: median of the last quarter "
           f"of steps, measured)\n\n{markdown(rows)}\n\n## Ranks after the switch\n\n{ranks}\n\n"

@@ -19,8 +19,9 @@ import torch
 
 from workbench.config import ConfigError, RunConfig
 from workbench.lowrank import factorize as lr_mod
-from workbench.lowrank.detector import SwitchDetector, forced, should_switch
-from workbench.lowrank.plots import plot_stable_ranks
+from workbench.lowrank import signals as sig
+from workbench.lowrank.detector import Criterion, SwitchDetector, forced, should_switch
+from workbench.lowrank.plots import plot_signals, plot_stable_ranks
 from workbench.lowrank.ranks import LayerShape, rank_map_for
 from workbench.train.engine import Engine
 from workbench.train.hooks import LoopHooks
@@ -28,6 +29,15 @@ from workbench.train.model import build
 from workbench.train.optimizer import make_optimizer
 
 KEY = "lowrank"  # the controller's entry in every checkpoint
+COLUMNS = ("step", "sr", "rank", "energy_rank", "overlap", "rate")  # a history row
+
+
+def criterion(cfg: RunConfig) -> Criterion:
+    """The detector's thresholds: the config's, with warm-up as a share of training."""
+    lr, t = cfg.lowrank, cfg.train
+    return Criterion(threshold=lr.threshold, smooth_pct=lr.smooth_pct,
+                     window_pct=lr.window_pct, warmup_pct=100.0 * t.warmup_steps / t.steps,
+                     straggler_frac=lr.straggler_frac, straggler_relax=lr.straggler_relax)
 
 
 def merged(engine: Engine, local: dict[str, Any]) -> dict[str, Any]:
@@ -80,13 +90,15 @@ class LowRankController(LoopHooks):
     def __init__(self, cfg: RunConfig, engine: Engine, tracker: Any, run_dir: str):
         self.cfg, self.lr, self.engine, self.tracker = cfg, cfg.lowrank, engine, tracker
         self.run_dir, self.mode = run_dir, cfg.lowrank.mode
-        self.detector = SwitchDetector(self.lr.ema, self.lr.window, self.lr.epsilon)
+        self.detector = SwitchDetector(criterion(cfg))
         self.scales: dict[str, float] = {}
         self.shapes: dict[str, tuple[int, int]] = {}
         self.probes: dict[str, lr_mod.StableRankProbe] = {}
-        self.history: dict[str, list[tuple[int, float]]] = {}
+        self.signals: dict[str, sig.LayerSignals] = {}
+        self.history: dict[str, list[list[float]]] = {}  # layer -> rows of COLUMNS
         self.rank_map: dict[str, int] = {}
         self.switch_step: int | None = None  # first step trained at low rank
+        self.forced = False  # the switch came from max_switch_frac, not the detector
         self._trainable = 0
         self._pending: dict[str, float] = {}
         self._powersgd: list[Any] = []  # this rank's PowerSGD hook states, one per DDP module
@@ -106,10 +118,7 @@ class LowRankController(LoopHooks):
             if self.switch_step is not None:
                 convert_engine(self.engine, self.cfg, self.rank_map)
         elif self.mode in ("adaptive", "fixed"):
-            srs = self._measure()
-            self.scales = {n: min(self.shapes[n]) / max(sr, 1e-12) for n, sr in srs.items()}
-            self.detector.observe(srs)
-            self._record(0, srs)
+            self._check(0)
         self._trainable = lr_mod.trainable_params(self.engine.view)
 
     def _register_powersgd(self) -> None:
@@ -163,18 +172,18 @@ class LowRankController(LoopHooks):
             go = step + 1 >= max(1, round(self.lr.switch_frac * total))
         else:
             if (step + 1) % self.lr.check_every == 0:
-                srs = self._measure()
-                self.detector.observe(srs)
-                self._record(step + 1, srs)
-                metrics.update({f"sr/{n}": v for n, v in srs.items()})
+                srs = self._check(step + 1)
+                metrics.update(self._pending)
+                self._pending = {}
             go = ((step + 1) % self.lr.check_every == 0 or
                   forced(step, total, self.lr.max_switch_frac)) and \
-                should_switch(self.detector, step, total, self.lr.min_switch_frac,
-                              self.lr.max_switch_frac)
+                should_switch(self.detector, step, total, self.cfg.train.warmup_steps,
+                              self.lr.min_switch_frac, self.lr.max_switch_frac)
         if not self.engine.from_rank0(bool(go)):
             return optimizer, metrics
+        self.forced = self.mode == "adaptive" and not self.detector.settled()
         if self.mode == "adaptive" and not srs:  # forced by max_switch_frac between checks
-            srs = self._measure()
+            srs = {n: v["sr"] for n, v in self._measure().items()}
         layers = [LayerShape(n, *self.shapes[n]) for n in sorted(self.shapes)]
         rank_map = rank_map_for(self.mode, self.lr, layers, self.scales, srs)
         self.rank_map = self.engine.from_rank0(rank_map)
@@ -189,52 +198,96 @@ class LowRankController(LoopHooks):
         out = {f"rank/{n}": float(r) for n, r in self.rank_map.items()}
         out["lowrank/switch_step"] = float(self.switch_step or 0)
         out["lowrank/switch_frac"] = float((self.switch_step or 0) / self.cfg.train.steps)
+        out["lowrank/switch_forced"] = float(self.forced)
         out["params/trainable"] = float(self._trainable)
         return out
 
     # --- measurement ---
-    def _measure(self) -> dict[str, float]:
-        """Stable rank of every candidate layer, on every rank alike (merged over stages)."""
+    def _measure(self) -> dict[str, dict[str, float]]:
+        """Every signal of every candidate layer (signals.py), on every rank alike (merged
+        over pipeline stages); the scales are fixed at the first measurement."""
         model = self.engine.view
         found = lr_mod.candidates(model, self.lr, self.cfg.model.n_layers)
         if not self.probes:
             self.probes = lr_mod.make_probes(lr_mod.shapes(found), self.cfg.train.seed)
-        local: dict[str, tuple[float, int, int]] = {}
+        if not self.signals:
+            self.signals = self._initial_signals([n for n, _ in found])
+        local: dict[str, dict[str, float]] = {}
         for name, module in found:
             w = lr_mod.full_weight(module.weight)
-            local[name] = (self.probes[name](w, self.lr.power_iters), *w.shape)
+            sr = self.probes[name](w, self.lr.power_iters)
+            scale = self.scales.get(name, min(w.shape) / max(sr, 1e-12))
+            local[name] = {**self.signals[name].measure(
+                w, sr, scale, self.lr.rank_lower_bound, self.lr.round_to, self.lr.energy),
+                "out": float(w.shape[0]), "in": float(w.shape[1]), "scale": scale}
         everything = merged(self.engine, local)
-        self.shapes = {n: (int(o), int(i)) for n, (_, o, i) in everything.items()}
-        return {n: float(v[0]) for n, v in sorted(everything.items())}
+        self.shapes = {n: (int(v["out"]), int(v["in"])) for n, v in everything.items()}
+        return dict(sorted(everything.items()))
 
-    def _record(self, step: int, srs: dict[str, float]) -> None:
-        for n, v in srs.items():
-            self.history.setdefault(n, []).append((step, v))
-        if step == 0:
-            self._pending.update({f"sr/{n}": v for n, v in srs.items()})
+    def _initial_signals(self, names: list[str]) -> dict[str, sig.LayerSignals]:
+        """W0 of each local candidate, rebuilt from the seed (so a resumed run has it too)."""
+        init = dict(build(self.cfg.model, self.cfg.train.seed, "cpu").named_modules())
+        return {n: sig.LayerSignals(init[n].weight) for n in names}
+
+    def _check(self, steps_done: int) -> dict[str, float]:
+        """Measure, feed the detector, record the history and queue the per-layer metrics;
+        returns the stable ranks."""
+        meas = self._measure()
+        if not self.scales:
+            self.scales = {n: v["scale"] for n, v in meas.items()}
+        progress = 100.0 * steps_done / self.cfg.train.steps
+        self.detector.observe(progress, {n: sig.level(self.lr.signal, v, self.scales[n])
+                                         for n, v in meas.items()})
+        for n, v in meas.items():
+            rate = self.detector.rate.get(n, float("nan"))
+            self.history.setdefault(n, []).append(
+                [float(steps_done), v["sr"], v["rank"], v["energy_rank"], v["overlap"], rate])
+            self._pending.update({f"sr/{n}": v["sr"], f"lowrank/rank/{n}": v["rank"],
+                                  f"lowrank/energy_rank/{n}": v["energy_rank"],
+                                  f"lowrank/overlap/{n}": v["overlap"]})
+            if rate == rate:
+                self._pending[f"lowrank/rate/{n}"] = rate
+        self._pending["lowrank/open_layers"] = float(self.detector.n_open())
+        return {n: v["sr"] for n, v in meas.items()}
 
     # --- artifacts ---
     def _write_rank_map(self) -> None:
         if not self.engine.is_main or not self.run_dir:
             return
         path = os.path.join(self.run_dir, "rank_map.json")
-        body = {"mode": self.mode, "switch_step": self.switch_step,
-                "total_steps": self.cfg.train.steps,
+        body = {"mode": self.mode, "switch_step": self.switch_step, "forced": self.forced,
+                "signal": self.lr.signal, "total_steps": self.cfg.train.steps,
                 "layers": {n: {"rank": r, "out": self.shapes[n][0], "in": self.shapes[n][1],
                                "scale": self.scales.get(n)}
                            for n, r in sorted(self.rank_map.items())},
+                "signals": self._last_signals(),
                 "dense": sorted(set(self.shapes) - set(self.rank_map))}
         with open(path, "w") as f:
             json.dump(body, f, indent=1)
         self.tracker.log_artifact(path, "lowrank")
+
+    def _last_signals(self) -> dict[str, dict[str, float | None]]:
+        """Each measured layer's signals at its last check and when it latched (% of
+        training; None: open at the switch): the audit trail of the switch."""
+        out: dict[str, dict[str, float | None]] = {}
+        for n, rows in sorted(self.history.items()):
+            last = {k: (v if v == v else None) for k, v in zip(COLUMNS, rows[-1])}  # NaN
+            out[n] = {**last, "latched_pct": self.detector.latched.get(n)}
+        return out
 
     def finish(self) -> None:
         """The stable-rank plot (and the rank map again, for runs resumed after the switch)."""
         if not self.engine.is_main or not self.run_dir or not self.history:
             return
         path = os.path.join(self.run_dir, "stable_rank.png")
-        plot_stable_ranks(self.history, self.switch_step, path)
+        plot_stable_ranks({n: [(r[0], r[1]) for r in rows] for n, rows in self.history.items()},
+                          self.switch_step, path)
         self.tracker.log_artifact(path, "lowrank")
+        if self.mode == "adaptive":
+            path = os.path.join(self.run_dir, "signals.png")
+            plot_signals(self.history, self.shapes, self.cfg.train.steps, self.switch_step,
+                         self.detector, self.lr.signal, path)
+            self.tracker.log_artifact(path, "lowrank")
         if self.switch_step is not None:
             self._write_rank_map()
 
@@ -245,7 +298,8 @@ class LowRankController(LoopHooks):
     def _state(self) -> dict[str, Any]:
         return {"mode": self.mode, "scales": dict(self.scales), "shapes": dict(self.shapes),
                 "probes": {n: p.state_dict() for n, p in self.probes.items()},
-                "detector": self.detector.state_dict(),
+                "detector": self.detector.state_dict(), "forced": self.forced,
+                "signals": {n: s.state_dict() for n, s in self.signals.items()},
                 "history": {k: list(v) for k, v in self.history.items()},
                 "rank_map": dict(self.rank_map), "switch_step": self.switch_step,
                 "powersgd": [p.state_dict() for p in self._powersgd]}
@@ -262,7 +316,13 @@ class LowRankController(LoopHooks):
             probe.load_state_dict(p)
             self.probes[n] = probe
         self.detector.load_state_dict(state["detector"])
-        self.history = {k: [tuple(x) for x in v] for k, v in state["history"].items()}
+        self.forced = bool(state.get("forced", False))
+        saved = state.get("signals", {})
+        if saved:
+            self.signals = self._initial_signals(sorted(saved))
+            for n, st in saved.items():
+                self.signals[n].load_state_dict(st)
+        self.history = {k: [list(x) for x in v] for k, v in state["history"].items()}
         self.rank_map = dict(state["rank_map"])
         self.switch_step = state["switch_step"]
         for hook, saved in zip(self._powersgd, state.get("powersgd", [])):
