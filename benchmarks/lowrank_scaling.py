@@ -57,13 +57,63 @@ def timed(history: List[Dict[str, float]], first: int) -> Dict[str, float]:
             "trainable": rows[-1].get("params/trainable", 0.0)}
 
 
+def copy_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Memory bandwidth of one thread (bytes read + written per second by a tensor copy of
+    gradient size): what PowerSGD's memory-bound hook runs at."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    return 2 * nbytes * repeats / (time.perf_counter() - t0)
+
+
+def powersgd_hook_s(cfg: Any, steps: int = 8) -> float:
+    """Seconds PowerSGD's hook adds to one rank's step, measured: DDP over a one-rank gloo group
+    with and without workbench's PowerSGD hook (over one rank its all-reduces move nothing,
+    so the difference is the compression's compute). The engine does not wrap one process in
+    DDP, hence this separate measurement."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from workbench.lowrank.powersgd import PowerSGD
+    from workbench.train.model import build
+
+    store = dist.FileStore(tempfile.mktemp(prefix="wb-hook-"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        med = {}
+        for hooked in (False, True):
+            ddp = DistributedDataParallel(build(cfg.model, cfg.train.seed))
+            if hooked:
+                PowerSGD(ddp, cfg.lowrank.powersgd_rank, 2, cfg.train.seed)
+            x = torch.randint(0, cfg.model.vocab, (MICRO_BATCH, cfg.model.seq_len + 1))
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                logits = ddp(x[:, :-1])
+                F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+                times.append(time.perf_counter() - t0)
+            med[hooked] = statistics.median(times[3:])
+        return max(0.0, med[True] - med[False])
+    finally:
+        dist.destroy_process_group()
+
+
 def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
             rate_check: bool) -> Dict[str, Any]:
     import torch
 
     from workbench import layout as layouts
     from workbench.cli import compose
+    from workbench.config import LauncherConfig
     from workbench.data.corpus import load as load_data
+    from workbench.launch.world import cores, threads_per_rank
     from workbench.testing.multirank import Case, run_cases, run_single
     from workbench.testing.netns import LimitedLink, probe_bytes_per_s
 
@@ -74,8 +124,17 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
             for m in modes for n in worlds}
     data = load_data(cfgs[modes[0], worlds[0]].data)
     root = tempfile.mkdtemp(prefix="wb-scaling-")
-    out: Dict[str, Any] = {"points": {}, "probe_mbit": {}}
+    out: Dict[str, Any] = {"points": {}, "probe_mbit": {}, "cores": cores(),
+                           "seq_len": cfgs[modes[0], worlds[0]].model.seq_len}
     torch.set_num_threads(1)  # one rank's share, as every spawned rank below
+    out["host_copy_bytes_per_s"] = copy_bytes_per_s()
+    if "powersgd" in modes:
+        out["powersgd_hook_s"] = powersgd_hook_s(cfgs["powersgd", worlds[0]])
+        print(f"  PowerSGD hook (measured, one rank): {out['powersgd_hook_s']:.3f} s/step",
+              flush=True)
+    for n in worlds:
+        share = threads_per_rank(LauncherConfig(name="torchrun", nproc_per_node=n))
+        print(f"  world {n}: threads_per_rank {share}, the ranks run 1 thread each", flush=True)
     for m in modes:
         if m == "powersgd" and "off" in modes:  # one process has nothing to compress
             continue
@@ -111,27 +170,24 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
 def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
                 rate_mbit: float) -> List[Dict[str, Any]]:
     from workbench.cli import compose
-    from workbench.launch.world import cores
-    from workbench.plan import dp_scaling as dps
+    from workbench.plan.dp_scaling import cpu_prediction
+
+    from workbench.plan.dp_scaling import model_shape
+    from workbench.plan.dp_scaling import powersgd_hook_s as hook_model
 
     model = compose(MODEL).model
+    out["hook_model_s"] = hook_model(model_shape(model, None), out["host_copy_bytes_per_s"])
     rows = []
     for m in modes:
-        kind = {"adaptive": "lowrank", "fixed": "lowrank"}.get(m, m)
-        ms = dps.model_shape(model, dps.lowrank_config(kind))
-        payload = dps.dp_payload_bytes(ms, kind)
-        t1 = out["points"][f"{m}/1"]["step_s"]
         for n in worlds:
             p = out["points"][f"{m}/{n}"]
-            slowdown = max(1.0, n / cores())  # one thread per rank
-            pr = dps.predict(t1, dps.BACKWARD_SHARE * t1, payload, n,
-                             dps.cpu_link(rate_mbit, dps.GLOO_CPU_OVERLAP),
-                             dps.collectives(payload, kind), slowdown)
+            pr = cpu_prediction(model, m, out["points"][f"{m}/1"]["step_s"], n, rate_mbit,
+                                out["cores"], out.get("powersgd_hook_s", 0.0))
             tok = MICRO_BATCH * n * model.seq_len
             rows.append({"mode": m, "world": n, "step_s": p["step_s"],
                          "tokens_per_s": tok / p["step_s"], "bytes": p["bytes"],
-                         "pred_bytes": payload if n > 1 else 0.0, "pred_step_s": pr.step_s,
-                         "pred_tokens_per_s": tok / pr.step_s,
+                         "pred_bytes": pr.payload_bytes if n > 1 else 0.0,
+                         "pred_step_s": pr.step_s, "pred_tokens_per_s": tok / pr.step_s,
                          "pred_efficiency": pr.efficiency})
     one = {r["mode"]: r["tokens_per_s"] for r in rows if r["world"] == 1}
     for r in rows:
@@ -150,7 +206,11 @@ def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) ->
               f"{r['pred_tokens_per_s']:>10.0f} {r['pred_efficiency']:>8.2f} "
               f"{r['error_pct']:>+5.0f}%")
     ok = all(abs(r["error_pct"]) <= 20 for r in rows)
-    print(f"\nlink probe (one TCP stream, payload): "
+    print(f"\none-thread memory bandwidth (copy, read + write): "
+          f"{out['host_copy_bytes_per_s'] / 1e9:.1f} GB/s; PowerSGD hook measured "
+          f"{out.get('powersgd_hook_s', 0.0):.3f} s/step (the hook model at that bandwidth: "
+          f"{out.get('hook_model_s', 0.0):.3f}); cores: {out['cores']}")
+    print(f"link probe (one TCP stream, payload): "
           + ", ".join(f"{v:.0f} Mbit/s at tc rate {k}" for k, v in out["probe_mbit"].items()))
     by = {(r["mode"], r["world"]): r for r in rows}
     for m in ("adaptive", "fixed", "powersgd"):

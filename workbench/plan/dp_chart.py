@@ -63,20 +63,15 @@ def predicted(tokens_per_gpu: int) -> Dict[str, Dict[tuple, List[float]]]:
 def measured_link_curves(rec: Dict[str, Any]) -> Dict[str, List[tuple]]:
     """{mode: [(world, measured efficiency, predicted efficiency)]} for the recorded link,
     predicted again from the recorded one-rank step times."""
-    from workbench.plan import dp_scaling as dps
+    from workbench.plan.dp_scaling import cpu_prediction
 
     model = load_model("gpt_small")
     model.seq_len = int(rec.get("seq_len", 128))
-    link = dps.cpu_link(float(rec["rate_mbit"]), dps.GLOO_CPU_OVERLAP)
     out: Dict[str, List[tuple]] = {}
     for r in rec["rows"]:
-        kind = {"adaptive": "lowrank", "fixed": "lowrank"}.get(r["mode"], r["mode"])
-        ms = dps.model_shape(model, dps.lowrank_config(kind))
-        payload = dps.dp_payload_bytes(ms, kind)
-        t1 = rec["points"][f"{r['mode']}/1"]["step_s"]
-        p = dps.predict(t1, dps.BACKWARD_SHARE * t1, payload, r["world"], link,
-                        dps.collectives(payload, kind),
-                        max(1.0, r["world"] / float(rec.get("cores", 2))))
+        p = cpu_prediction(model, r["mode"], rec["points"][f"{r['mode']}/1"]["step_s"],
+                           r["world"], float(rec["rate_mbit"]), int(rec.get("cores", 2)),
+                           float(rec.get("powersgd_hook_s", 0.0)))
         out.setdefault(r["mode"], []).append((r["world"], r["efficiency"], p.efficiency))
     return out
 

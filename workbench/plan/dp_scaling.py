@@ -14,6 +14,13 @@ its share of the link, plus one latency per ring hop of every collective. The pa
 the engine's ByteCounter measures (comm/allreduce_bytes): every trainable gradient once in fp32
 for full and factorized models; for PowerSGD the rank-r factors P (m x r) and Q (n x r) of every
 matrix it compresses and the uncompressed rest.
+
+PowerSGD also computes: its hook makes POWERSGD_PASSES passes over the gradient memory each step
+(error feedback, copies, three thin matmuls), added to the step at every world size above one
+at the memory bandwidth of the device (HBM on GPUs; on the CPU measured by the benchmark).
+Left out, knowingly: the memory a 7B model's optimizer
+state needs (the chart's question is the link, not the fit); gradient accumulation (it divides
+the all-reduce's share of a step by the number of micro-batches, as more tokens per GPU do).
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ MODES = ("off", "lowrank", "powersgd")
 DDP_BUCKET_BYTES = 25 * 2**20
 # The engine all-reduces the step's mean loss too (one fp32), counted in comm/bytes_per_step.
 LOSS_BYTES = 4
+# Passes over the fp32 gradient memory torch's powerSGD_hook (torch 2.13, error feedback and warm
+# start on) makes per step, counted in its source: add the error (read 2, write 1), keep a copy
+# (2), stack same-shape matrices (2), P = M Q (1), Q = M^T P (1), M = P Q^T (1), copy back into
+# the bucket (2), new error = copy - M (read 2, write 1): 15.
+POWERSGD_PASSES = 15
 # PyTorch's powerSGD_hook compresses a matrix only when r (m + n) * min_compression_rate <= m n
 # (PowerSGDState default min_compression_rate=2); vectors are all-reduced uncompressed.
 POWERSGD_MIN_COMPRESSION = 2.0
@@ -46,7 +58,10 @@ GLOO_HOP_LATENCY_S = 100e-6
 # do twice the forward's FLOPs (Narayanan et al. 2021, the 6 = 2 + 4 FLOPs per parameter).
 BACKWARD_SHARE = 2.0 / 3.0
 # Fraction of the all-reduce gloo DDP hides behind the backward on CPU ranks of one intra-op
-# thread each (provisional: see benchmarks/lowrank_scaling.py).
+# thread each, every core busy with a rank: none. gloo's progress thread and the kernel's TCP
+# work take their CPU time from the compute, and PowerSGD's hook waits for its all-reduces
+# (lowrank/powersgd.py). Check: benchmarks/lowrank_scaling.py measures full rank at world
+# size 2 over 1 Gbit/s within ~7% of the one-rank step plus the whole all-reduce.
 GLOO_CPU_OVERLAP = 0.0
 
 
@@ -117,6 +132,12 @@ def dp_payload_bytes(ms: ModelShape, mode: str, powersgd_rank: int = 4,
     return (sent + vectors) * grad_bytes + LOSS_BYTES
 
 
+def powersgd_hook_s(ms: ModelShape, mem_bytes_per_s: float, grad_bytes: float = 4.0) -> float:
+    """Seconds PowerSGD's hook spends per step streaming the gradients (memory bound: its
+    matmuls have r = 4 columns, a few FLOPs per byte)."""
+    return POWERSGD_PASSES * trainable_params(ms) * grad_bytes / mem_bytes_per_s
+
+
 def collectives(payload_bytes: float, mode: str) -> int:
     """All-reduces per step: one per DDP bucket; PowerSGD two per bucket (P, then Q) plus one
     for the uncompressed tensors."""
@@ -143,6 +164,7 @@ class DpPoint:
     """One predicted world size: seconds of a step, its all-reduce, and the efficiency."""
 
     n_ranks: int
+    payload_bytes: float
     step_s: float
     compute_s: float
     allreduce_s: float
@@ -151,14 +173,31 @@ class DpPoint:
 
 
 def predict(step1_s: float, backward_s: float, payload_bytes: float, n_ranks: int, link: Link,
-            n_collectives: int = 1, slowdown: float = 1.0) -> DpPoint:
+            n_collectives: int = 1, slowdown: float = 1.0, hook_s: float = 0.0) -> DpPoint:
     """The step at n_ranks given the step at one rank (no data-parallel traffic) and its
-    backward; `slowdown`: compute at n ranks over compute at one (CPU cores shared by ranks)."""
-    comp, bwd = step1_s * slowdown, backward_s * slowdown
+    backward; `slowdown`: compute at n ranks over compute at one (CPU cores shared by ranks);
+    `hook_s`: compute the communication hook adds once there is more than one rank."""
+    comp = (step1_s + (hook_s if n_ranks > 1 else 0.0)) * slowdown
+    bwd = backward_s * slowdown
     c = allreduce_s(payload_bytes, n_ranks, link, n_collectives)
     exposed = max(c * (1 - link.overlap), c - bwd)
     step = comp + exposed
-    return DpPoint(n_ranks, step, comp, c, exposed, step1_s / step)
+    return DpPoint(n_ranks, payload_bytes, step, comp, c, exposed, step1_s / step)
+
+
+def cpu_prediction(model: ModelConfig, mode: str, step1_s: float, n_ranks: int,
+                   rate_mbit: float, cores: int, hook_s: float = 0.0) -> DpPoint:
+    """A mode of benchmarks/lowrank_scaling.py (off, adaptive, fixed, powersgd) on CPU ranks of
+    one thread each behind the tc-limited link, from its measured one-rank step (and for
+    PowerSGD its hook's measured compute, hook_s): the bytes from the shape (adaptive at
+    rank_ratio: its ranks are chosen while training), ranks beyond the cores share them."""
+    kind = {"adaptive": "lowrank", "fixed": "lowrank"}.get(mode, mode)
+    ms = model_shape(model, lowrank_config(kind))
+    payload = dp_payload_bytes(ms, kind)
+    hook = hook_s if kind == "powersgd" else 0.0
+    return predict(step1_s, BACKWARD_SHARE * step1_s, payload, n_ranks,
+                   cpu_link(rate_mbit, GLOO_CPU_OVERLAP), collectives(payload, kind),
+                   max(1.0, n_ranks / cores), hook)
 
 
 def lowrank_config(mode: str, rank_ratio: float = 0.25, powersgd_rank: int = 4
@@ -189,5 +228,7 @@ def gpu_curve(model: ModelConfig, mode: str, link: Link, sizes: list[int],
     payload = dp_payload_bytes(ms, "powersgd" if mode == "powersgd" else "dense",
                                lr.powersgd_rank)
     n_coll = collectives(payload, mode)
-    return [predict(est.step_time_s, est.time_s["time_bwd_s"], payload, n, link, n_coll)
-            for n in sizes]
+    hook = powersgd_hook_s(ms, cl.hbm_bw_bytes_per_s * coefficients(cl).hbm_eff) \
+        if mode == "powersgd" else 0.0
+    return [predict(est.step_time_s, est.time_s["time_bwd_s"], payload, n, link, n_coll,
+                    hook_s=hook) for n in sizes]
