@@ -35,7 +35,8 @@ def test_powersgd_and_lowrank_bytes_match_the_measured_gpt_small():
 
 def test_efficiency_orders_modes_and_links():
     """Where bytes are the bottleneck (100 Gbit/s per 8-GPU node) fewer bytes scale better;
-    inside one node, and on 400 Gbit/s per GPU, every mode is close to ideal."""
+    inside one node, and on 400 Gbit/s per GPU, full and low rank are close to ideal and
+    PowerSGD's own compute (its hook) is what costs it."""
     from workbench.plan.dp_chart import load_model
 
     model = load_model("gpt2_124m")
@@ -46,7 +47,8 @@ def test_efficiency_orders_modes_and_links():
     for i in (1, 2):
         assert eff["off", "eth"][i] < eff["lowrank", "eth"][i] < eff["powersgd", "eth"][i]
         assert eff["off", "eth"][i] < 0.5 < eff["off", "ib"][i]
-    assert min(eff[m, ln][0] for m in dps.MODES for ln in ("eth", "ib")) > 0.9  # NVLink
+    assert min(eff[m, ln][0] for m in ("off", "lowrank") for ln in ("eth", "ib")) > 0.9
+    assert eff["powersgd", "ib"][2] < eff["off", "ib"][2]  # the hook's passes over gradients
 
 
 def test_cpu_prediction_counts_shared_cores():

@@ -56,6 +56,7 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir):
     assert all(len(series(m, "val_loss")) == 4 for m in runs)
     parent = json.loads((workdir / "sweeps" / "lr_ci" / "plan.json").read_text())["parent_run_id"]
     files = {f.path for f in c.list_artifacts(parent, "report")}
-    assert {"report/report.md", "report/report.html", "report/loss_vs_tokens.png"} <= files
+    assert {"report/report.md", "report/report.html", "report/loss_vs_tokens.png",
+            "report/dp_scaling.png"} <= files  # the predicted DP scaling chart beside it
     md = (workdir / "sweeps" / "lr_ci" / "report" / "report.md").read_text()
     assert all(f"| {m} |" in md for m in ("off", "adaptive", "fixed", "powersgd"))

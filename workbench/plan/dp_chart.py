@@ -29,6 +29,7 @@ LABELS = {"off": "full rank", "lowrank": "low rank (r = 0.25 min(m,n))",
           "powersgd": "PowerSGD (rank 4)", "adaptive": "adaptive low rank",
           "fixed": "fixed low rank"}
 STYLES = ["-", "--", ":"]
+MARKERS = {"off": "o", "adaptive": "s", "fixed": "^", "powersgd": "D"}
 
 
 def load_model(name: str) -> ModelConfig:
@@ -105,7 +106,8 @@ def write(path: Path, tokens_per_gpu: int = 8192, measured: Optional[Path] = Non
             pts.sort()
             ax.plot([p[0] for p in pts], [p[2] for p in pts], "-", color=COLORS[mode],
                     label=f"{LABELS[mode]}: predicted")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=COLORS[mode],
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], MARKERS.get(mode, "o"),
+                    color=COLORS[mode], ms=7, alpha=0.8,
                     label=f"{LABELS[mode]}: measured")
         ax.set_xticks([1, 2, 4])
         ax.set_ylim(0, 1.05)
