@@ -55,7 +55,8 @@ def test_cpu_prediction_counts_shared_cores():
     """Four one-thread ranks on two cores compute each step at half speed: with no bytes to
     send the efficiency is 1/2, with bytes it is lower."""
     link = dps.cpu_link(1000, overlap=0.0)
-    assert dps.predict(0.5, 0.33, 0.0, 4, link, slowdown=2.0).efficiency == pytest.approx(0.5, rel=0.01)
+    idle = dps.predict(0.5, 0.33, 0.0, 4, link, slowdown=2.0)
+    assert idle.efficiency == pytest.approx(0.5, rel=0.01)
     p = dps.predict(0.5, 0.33, 57e6, 2, link)
     assert p.allreduce_s == pytest.approx(57e6 / (1000e6 / 8 * dps.TCP_PAYLOAD_EFF), rel=0.01)
     assert p.efficiency < 0.55

@@ -93,7 +93,7 @@ class LimitedLink:
                 _sh("tc", "-n", n, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                     f"{self.rate_mbit:g}mbit", "burst", f"{self.burst_kb}kb", "latency", "50ms")
 
-    def up(self) -> "LimitedLink":
+    def up(self) -> LimitedLink:
         reason = unavailable_reason()
         if reason:
             raise LinkUnavailable(reason)
@@ -118,7 +118,7 @@ class LimitedLink:
         for ns in [*self.namespaces, self.hub]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
-    def __enter__(self) -> "LimitedLink":
+    def __enter__(self) -> LimitedLink:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old_handlers[sig] = signal.signal(sig, _raise_exit)
         try:
