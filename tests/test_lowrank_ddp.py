@@ -58,7 +58,8 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir):
     parent = json.loads((workdir / "sweeps" / "lr_ci" / "plan.json").read_text())["parent_run_id"]
     files = {f.path for f in c.list_artifacts(parent, "report")}
     assert {"report/report.md", "report/report.html", "report/loss_vs_tokens.png",
-            "report/signals_adaptive.png"} <= files
+            "report/signals_adaptive.png",
+            "report/dp_scaling.png"} <= files  # the predicted DP scaling chart beside it
     # the adaptive run logged every switch signal of every layer it measured
     logged = c.get_run(runs["adaptive"]["run_id"]).data.metrics
     with open(runs["adaptive"]["run_dir"] + "/rank_map.json") as f:

@@ -44,6 +44,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
     "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
     "benchmarks/tracking_throughput.py": ["--steps", "200"],
+    "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
 }
 
 

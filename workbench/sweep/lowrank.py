@@ -23,6 +23,7 @@ def finish(sw: Any) -> None:
     c = report.client(sw.uri)
     try:
         result = report.build(c, ids, out)
+        scaling_chart(out)
         parent = sw.state.plan.get("parent_run_id")
         if parent:
             report.attach(c, parent, out, result["rows"])
@@ -30,4 +31,21 @@ def finish(sw: Any) -> None:
         print(f"lowrank sweep: comparison report failed: {e}", file=sys.stderr)
         return
     print(result["markdown"])
+    print(f"predicted data-parallel scaling: {out / 'dp_scaling.png'}", file=sys.stderr)
     print(f"comparison report: {out / 'report.html'}", file=sys.stderr)
+
+
+def scaling_chart(out: Any) -> None:
+    """The cost model's data-parallel scaling chart (full rank vs low rank vs PowerSGD, 8-1,024
+    GPUs, with the recorded rate-limited-link measurements) beside the comparison: a prediction,
+    so it costs a second or two, not a measurement. A failure leaves the report without it."""
+    try:
+        from workbench.plan import dp_chart
+
+        dp_chart.write(out / "dp_scaling.png")
+    except Exception as e:
+        print(f"lowrank sweep: scaling chart failed: {e}", file=sys.stderr)
+        return
+    with open(out / "report.md", "a") as f:
+        f.write("\n## Predicted data-parallel scaling (workbench.plan.dp_chart)\n\n"
+                "![dp_scaling.png](dp_scaling.png)\n")

@@ -1,0 +1,113 @@
+"""The data-parallel scaling model (workbench.plan.dp_scaling), its chart, and the rate-limited
+link the scaling benchmark measures over (workbench.testing.netns)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, need_service
+
+from workbench.cli import compose
+from workbench.plan import dp_scaling as dps
+
+
+@pytest.mark.parametrize("name", ["gpt_small", "gpt_tiny"])
+def test_payload_is_every_trainable_gradient_once(name):
+    """The bytes the model predicts are the bytes the engine's counter measures for DDP: every
+    parameter of the built model in fp32, plus the step's loss (4 bytes)."""
+    from workbench.train.model import build
+
+    model = compose([f"model={name}", "model.seq_len=128"]).model
+    n = sum(p.numel() for p in build(model, 0).parameters())
+    assert dps.dp_payload_bytes(dps.model_shape(model, None), "off") == 4 * n + 4
+
+
+def test_powersgd_and_lowrank_bytes_match_the_measured_gpt_small():
+    """comm/bytes_per_step measured by benchmarks/lowrank_scaling.py on gpt_small (seq 128)
+    after the switch: fixed rank 0.25 and PowerSGD rank 4, to the byte."""
+    model = compose(["model=gpt_small", "model.seq_len=128"]).model
+    low = dps.model_shape(model, dps.lowrank_config("lowrank"))
+    assert dps.dp_payload_bytes(low, "lowrank") == 30_833_668
+    assert dps.dp_payload_bytes(dps.model_shape(model, None), "powersgd") == 1_065_988
+
+
+def test_efficiency_orders_modes_and_links():
+    """Where bytes are the bottleneck (100 Gbit/s per 8-GPU node) fewer bytes scale better;
+    inside one node, and on 400 Gbit/s per GPU, full and low rank are close to ideal and
+    PowerSGD's own compute (its hook) is what costs it."""
+    from workbench.plan.dp_chart import load_model
+
+    model = load_model("gpt2_124m")
+    eth, ib = dps.gpu_link("eth", 100, 8), dps.gpu_link("ib", 400, 1)
+    sizes = [8, 64, 1024]
+    eff = {(mode, link.name): [p.efficiency for p in dps.gpu_curve(model, mode, link, sizes)]
+           for mode in dps.MODES for link in (eth, ib)}
+    for i in (1, 2):
+        assert eff["off", "eth"][i] < eff["lowrank", "eth"][i] < eff["powersgd", "eth"][i]
+        assert eff["off", "eth"][i] < 0.5 < eff["off", "ib"][i]
+    assert min(eff[m, ln][0] for m in ("off", "lowrank") for ln in ("eth", "ib")) > 0.9
+    assert eff["powersgd", "ib"][2] < eff["off", "ib"][2]  # the hook's passes over gradients
+
+
+def test_cpu_prediction_counts_shared_cores():
+    """Four one-thread ranks on two cores compute each step at half speed: with no bytes to
+    send the efficiency is 1/2, with bytes it is lower."""
+    link = dps.cpu_link(1000, overlap=0.0)
+    idle = dps.predict(0.5, 0.33, 0.0, 4, link, slowdown=2.0)
+    assert idle.efficiency == pytest.approx(0.5, rel=0.01)
+    p = dps.predict(0.5, 0.33, 57e6, 2, link)
+    assert p.allreduce_s == pytest.approx(57e6 / (1000e6 / 8 * dps.TCP_PAYLOAD_EFF), rel=0.01)
+    assert p.efficiency < 0.55
+
+
+def test_chart_is_written_into_the_sweep_report(tmp_path):
+    """The sweep's report gets the chart (a prediction: seconds, no training)."""
+    from workbench.sweep.lowrank import scaling_chart
+
+    (tmp_path / "report.md").write_text("# Comparison\n")
+    scaling_chart(tmp_path)
+    assert (tmp_path / "dp_scaling.png").stat().st_size > 10_000
+    assert "![dp_scaling.png](dp_scaling.png)" in (tmp_path / "report.md").read_text()
+
+
+def test_chart_cli_rejects_bad_input(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "workbench.plan.dp_chart",
+                           "--tokens-per-gpu", "0"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--tokens-per-gpu" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_benchmark_without_root_says_so_and_exits_2(tmp_path):
+    """Run as nobody: one line naming what is missing, status 2."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, str(REPO / "benchmarks" / "lowrank_scaling.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "root" in proc.stderr
+
+
+def test_limited_link_shapes_both_ways_and_cleans_up():
+    """The link the benchmark measures over: the throughput follows the tc rate, and the
+    namespaces are gone afterwards."""
+    from workbench.testing import netns
+
+    why = netns.unavailable_reason()
+    if why:
+        need_service("root and iproute2 (network namespaces + tc)", why)
+    with netns.LimitedLink(2, 200) as link:
+        slow = netns.probe_bytes_per_s(link, 4 << 20) * 8 / 1e6
+        link.set_rate(800)
+        fast = netns.probe_bytes_per_s(link, 16 << 20) * 8 / 1e6
+        names = list(link.namespaces)
+    assert 0.8 * 200 < slow < 1.05 * 200 and 0.8 * 800 < fast < 1.05 * 800, (slow, fast)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in left for n in names)

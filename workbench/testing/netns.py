@@ -1,0 +1,191 @@
+"""A rate-limited network between ranks on one machine: one network namespace per rank, each
+with one veth NIC plugged into a bridge in a hub namespace, every NIC shaped by `tc tbf` in both
+directions.
+
+Why: on loopback, gloo moves gigabytes per second and communication is never the bottleneck on a
+CPU; to measure what sending fewer bytes buys where bytes are the bottleneck, the ranks must talk
+over a link of known, limited bandwidth. A star of per-rank NICs limited in both directions is a
+switch with one port per GPU: each rank sends and receives at most the rate, as a GPU behind its
+own NIC does. Only private addresses on this machine are used (10.77.0.0/24, no route out).
+
+Needs root (CAP_NET_ADMIN) and iproute2. Namespace names carry this process's id, so two runs
+never collide, and namespaces left by a process that was killed with SIGKILL are removed by the
+next run (`remove_stale`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+from types import TracebackType
+from typing import List, Optional, Type
+
+PREFIX = "wbnet"
+IFNAME = "wb0"  # the rank's NIC, the same name in every rank namespace (GLOO_SOCKET_IFNAME)
+SUBNET = "10.77.0"
+_CLONE_NEWNET = 0x40000000
+
+
+class LinkUnavailable(RuntimeError):
+    """Namespaces or tc cannot be used here (not root, no iproute2); the message says which."""
+
+
+def unavailable_reason() -> str:
+    """Why a limited link cannot be built here, or '' when it can."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc need CAP_NET_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs iproute2's `{tool}` on PATH"
+    return ""
+
+
+def _sh(*args: str) -> None:
+    proc = subprocess.run(list(args), capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise LinkUnavailable(f"`{' '.join(args)}` failed: {proc.stderr.strip()}")
+
+
+def _namespaces() -> List[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def remove_stale() -> None:
+    """Delete namespaces of earlier runs whose process no longer exists."""
+    for ns in _namespaces():
+        if not ns.startswith(PREFIX):
+            continue
+        pid = ns[len(PREFIX):].split("x")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def address(rank: int) -> str:
+    return f"{SUBNET}.{rank + 1}"
+
+
+class LimitedLink:
+    """`with LimitedLink(n, rate_mbit) as link:` rank i joins `link.namespaces[i]` (enter it with
+    `enter_namespace` before creating any socket or thread) and reaches the others at
+    `address(j)` through `IFNAME`. The namespaces are deleted on exit, on SIGTERM and SIGINT."""
+
+    def __init__(self, n_ranks: int, rate_mbit: float, burst_kb: int = 256):
+        self.n, self.rate_mbit, self.burst_kb = int(n_ranks), float(rate_mbit), int(burst_kb)
+        tag = f"{PREFIX}{os.getpid()}x{id(self) % 10000}"
+        self.hub = f"{tag}h"
+        self.namespaces = [f"{tag}r{i}" for i in range(self.n)]
+        self._old_handlers: dict = {}
+
+    def _shape(self, ns: str, dev: str) -> None:
+        # tbf: a token bucket at the rate; 50 ms of queue before drops, as the issue's recipe
+        _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+            f"{self.rate_mbit:g}mbit", "burst", f"{self.burst_kb}kb", "latency", "50ms")
+
+    def set_rate(self, rate_mbit: float) -> None:
+        """Change the rate of every NIC in place (both directions)."""
+        self.rate_mbit = float(rate_mbit)
+        for i, ns in enumerate(self.namespaces):
+            for n, dev in ((ns, IFNAME), (self.hub, f"h{i}")):
+                _sh("tc", "-n", n, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                    f"{self.rate_mbit:g}mbit", "burst", f"{self.burst_kb}kb", "latency", "50ms")
+
+    def up(self) -> LimitedLink:
+        reason = unavailable_reason()
+        if reason:
+            raise LinkUnavailable(reason)
+        remove_stale()
+        _sh("ip", "netns", "add", self.hub)
+        _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.namespaces):
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", self.hub, "link", "add", f"h{i}", "type", "veth", "peer", "name",
+                IFNAME, "netns", ns)
+            _sh("ip", "-n", self.hub, "link", "set", f"h{i}", "master", "br0")
+            _sh("ip", "-n", self.hub, "link", "set", f"h{i}", "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", IFNAME)
+            _sh("ip", "-n", ns, "link", "set", IFNAME, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            self._shape(ns, IFNAME)  # what the rank sends
+            self._shape(self.hub, f"h{i}")  # what the rank receives
+        return self
+
+    def down(self) -> None:
+        for ns in [*self.namespaces, self.hub]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+    def __enter__(self) -> LimitedLink:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old_handlers[sig] = signal.signal(sig, _raise_exit)
+        try:
+            return self.up()
+        except BaseException:
+            self.down()
+            raise
+
+    def __exit__(self, et: Optional[Type[BaseException]], ev: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.down()
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def enter_namespace(name: str) -> None:
+    """Move the calling process (its current thread; call it before any other thread exists)
+    into network namespace `name`: sockets it opens afterwards live there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+_SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 29411)); s.listen(1); print('ready', flush=True)
+c, _ = s.accept(); n = 0
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    n += len(b)
+c.sendall(b'k'); c.close()
+"""
+_CLIENT = """
+import socket, sys, time
+n = int(sys.argv[2]); buf = b'x' * (1 << 20)
+c = socket.create_connection((sys.argv[1], 29411)); t0 = time.perf_counter(); sent = 0
+while sent < n:
+    c.sendall(buf); sent += len(buf)
+c.shutdown(socket.SHUT_WR); c.recv(1); print(sent / (time.perf_counter() - t0), flush=True)
+"""
+
+
+def probe_bytes_per_s(link: LimitedLink, nbytes: int = 32 << 20) -> float:
+    """TCP payload bytes/s from rank 1 to rank 0 over the link (one stream), measured with
+    plain sockets: what a collective can get at most, to check the shaping took effect."""
+    import sys
+
+    server = subprocess.Popen(["ip", "netns", "exec", link.namespaces[0], sys.executable, "-c",
+                               _SERVER, address(0)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        server.stdout.readline()
+        out = subprocess.run(["ip", "netns", "exec", link.namespaces[1], sys.executable, "-c",
+                              _CLIENT, address(0), str(nbytes)], capture_output=True,
+                             text=True, check=True, timeout=120)
+        return float(out.stdout.strip())
+    finally:
+        server.kill()
+        server.wait()
