@@ -61,6 +61,10 @@ def main(argv: list[str]) -> int:
     if bad:
         raise InputError(f"override {bad[0]!r}: use key=value (e.g. model=llama3_70b)")
     cfg = compose(args.overrides)
+    if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.hetero)
+        from workbench.plan.hetero_report import pool_main
+
+        return pool_main(cfg, args.out, args.top)
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
     r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank)
     hbm = r.hbm_bytes / GIB
