@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from workbench.config import ClusterConfig, ModelConfig
+from workbench.plan.coefficients import coefficients
 from workbench.plan.columns import columns
 from workbench.plan.hardware import match_gpu
 from workbench.plan.hetero import build, pool_costs, step
 from workbench.plan.pools import Link, Pool, spanning
-from workbench.plan.coefficients import coefficients
 from workbench.plan.shapes import model_shape
 from workbench.plan.terms import Software
 
@@ -97,7 +96,8 @@ def predict(row: dict[str, str], kinds: list[str]) -> tuple[float, bool]:
     cross = np.full((1, pp - 1), np.nan)
     for s in range(pp - 1):  # a boundary between different node types pays the P3 <-> G4dn NIC
         src = {kinds[r // GPUS_PER_NODE] for r in range(s * tp * dp, (s + 1) * tp * dp)}
-        dst = {kinds[(r + tp * dp) // GPUS_PER_NODE] for r in range(s * tp * dp, (s + 1) * tp * dp)}
+        dst = {kinds[(r + tp * dp) // GPUS_PER_NODE]
+               for r in range(s * tp * dp, (s + 1) * tp * dp)}
         if src != dst or len(src) > 1:
             cross[0, s] = costs[idx[0, s]].p2p_bytes[0] / (CROSS.bytes_per_s * costs[
                 idx[0, s]].link_eff) + CROSS.latency_s
@@ -118,7 +118,8 @@ def score(rows: list[dict[str, str]], kinds: list[str]) -> dict[str, float]:
     return {"trials": len(rows), "ran": int(ran.sum()),
             "rho_ours": spearman(ours_a[ran], measured[ran]),
             "rho_amp": spearman(amp[ran], measured[ran]),
-            "regret_ours": measured[pick_ours] / best - 1, "regret_amp": measured[pick_amp] / best - 1,
+            "regret_ours": measured[pick_ours] / best - 1,
+            "regret_amp": measured[pick_amp] / best - 1,
             "pick_ours": pick_ours, "pick_amp": pick_amp, "best": best,
             "ratio_ours": float(np.median(ours_a[ran] / measured[ran])),
             "ratio_amp": float(np.median(amp[ran] / measured[ran])),

@@ -32,8 +32,14 @@ import numpy as np
 from workbench.plan.columns import Columns
 from workbench.plan.pools import Link, Pool
 from workbench.plan.shapes import ModelShape
-from workbench.plan.terms import (LOSS_BYTES_PER_LOGIT, OPTIMIZER_BYTES_PER_PARAM, Software, _bw,
-                                  _link, evaluate)
+from workbench.plan.terms import (
+    LOSS_BYTES_PER_LOGIT,
+    OPTIMIZER_BYTES_PER_PARAM,
+    Software,
+    _bw,
+    _link,
+    evaluate,
+)
 
 STATE = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes")
 

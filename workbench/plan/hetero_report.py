@@ -54,8 +54,8 @@ def pool_main(cfg: Any, out: Path | None, top: int) -> int:
         print("best single-pool layout: none feasible")
     else:
         rank = int(list(r.order).index(one)) + 1
-        print("best single-pool layout (rank %d; the best overall is %.2fx faster):"
-              % (rank, speedup(r)))
+        print(f"best single-pool layout (rank {rank}; the best overall is "
+              f"{speedup(r):.2f}x faster):")
         print(_row(str(rank), r, one))
     print("rejected:")
     for reason, n in sorted(r.rejected().items(), key=lambda x: -x[1]):
