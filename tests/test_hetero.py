@@ -37,6 +37,8 @@ def test_pools_take_datasheet_figures_and_reject_bad_links() -> None:
     h100, a100 = pools_of(cfg.cluster)
     assert (h100.gpus, a100.gpus) == (8, 16)
     assert a100.spec.peak_bf16_flops == 312e12 and a100.coeff.mm_eff_max == 0.80
+    v100, t4 = pools_of(compose(["cluster=v100_t4_pools"]).cluster)
+    assert (v100.gpus, t4.gpus, t4.spec.hbm_bw_bytes_per_s) == (12, 4, 0.32e12)
     for bad, key in ((["cluster.links=[{pools:[h100,b200],gbps:1}]"], "cluster.links[0].pools"),
                      (["cluster.links=[{pools:[h100,a100],gbps:0}]"], "cluster.links[0]"),
                      (["cluster.pools.1.gpu=Z9000"], "cluster.pools[1].gpu")):

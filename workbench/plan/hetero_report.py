@@ -34,7 +34,7 @@ def write_pool_ranking(path: Path, r: HeteroRanking) -> None:
 
 
 def _row(rank: str, r: HeteroRanking, i: int) -> str:
-    return (f"{rank:>3}  {r.key(i):<22}{r.stages(i):<40}{world_of(r, i):>5}"
+    return (f"{rank:>3}  {r.key(i):<26}{r.stages(i):<40}{world_of(r, i):>5}"
             f"{r.tokens_per_s[i]:>12.4g}{r.step_time_s[i]:>10.4g}{r.mem_frac[i]:>8.0%}")
 
 
@@ -45,7 +45,7 @@ def pool_main(cfg: Any, out: Path | None, top: int) -> int:
                       for p in r.pools)
     print(f"{cfg.model.name} on pools {desc}, global batch {cfg.train.global_batch} x seq "
           f"{cfg.model.seq_len}: {len(r)} layouts, {len(r.order)} feasible")
-    print(f"{'#':>3}  {'layout':<22}{'stages (pool:layers per stage)':<40}{'GPUs':>5}"
+    print(f"{'#':>3}  {'layout':<26}{'stages (pool:layers per stage)':<40}{'GPUs':>5}"
           f"{'tokens/s':>12}{'step s':>10}{'mem':>8}")
     for rank, i in enumerate(r.order[:top], 1):
         print(_row(str(rank), r, int(i)))
@@ -55,7 +55,8 @@ def pool_main(cfg: Any, out: Path | None, top: int) -> int:
     else:
         rank = int(list(r.order).index(one)) + 1
         print(f"best single-pool layout (rank {rank}; the best overall is "
-              f"{speedup(r):.2f}x faster):")
+              f"{speedup(r):.2f}x faster):" if rank > 1 else
+              f"best single-pool layout: the best layout itself (pool {r.uses(one)[0]}):")
         print(_row(str(rank), r, one))
     print("rejected:")
     for reason, n in sorted(r.rejected().items(), key=lambda x: -x[1]):
