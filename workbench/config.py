@@ -43,6 +43,32 @@ class ModelConfig:
 
 
 @dataclass
+class PoolConfig:
+    """One pool of a mixed cluster: nodes of one GPU type on one fabric (workbench.plan.pools).
+    The figures left at 0 come from the datasheet of `gpu` (workbench.plan.hardware.match_gpu)."""
+
+    name: str = MISSING
+    gpu: str = MISSING  # accelerator name, matched loosely (A100 80GB, V100, T4, H100 ...)
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: the GPU's usual node
+    peak_bf16_flops: float = 0.0  # dense 16-bit tensor-core FLOP/s per device
+    peak_fp32_flops: float = 0.0
+    hbm_bytes: float = 0.0
+    hbm_bw_bytes_per_s: float = 0.0
+    intra_node_gbps: float = 0.0  # per device, one direction, GB/s (NVLink / PCIe)
+    inter_node_gbps: float = 0.0  # per device, one direction, GB/s (its NIC share)
+
+
+@dataclass
+class PoolLinkConfig:
+    """The network between two pools: what a pipeline cut between them pays."""
+
+    pools: List[str] = field(default_factory=list)  # the two pool names
+    gbps: float = MISSING  # per device, one direction, GB/s across the cut
+    latency_s: float = 20e-6
+
+
+@dataclass
 class ClusterConfig:
     name: str = MISSING
     gpu: str = "cpu"  # accelerator name, matched loosely by the planner
@@ -58,6 +84,9 @@ class ClusterConfig:
     # Calibrated cost-model coefficients by name (see workbench/plan/coefficients.py);
     # empty means the physical defaults.
     coeff: Dict[str, float] = field(default_factory=dict)
+    # A mixed cluster: its pools and the links between them (empty: one pool, the fields above).
+    pools: List[PoolConfig] = field(default_factory=list)
+    links: List[PoolLinkConfig] = field(default_factory=list)
 
 
 @dataclass

@@ -72,6 +72,10 @@ def main(argv: list[str]) -> int:
         x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib)
         print("\n".join(render(x)))
         return 0
+    if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.hetero)
+        from workbench.plan.hetero_report import pool_main
+
+        return pool_main(cfg, args.out, args.top)
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
     r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank)
     hbm = r.hbm_bytes / GIB

@@ -9,7 +9,7 @@ estimated on the same footing. Every figure is a vendor datasheet number (dense,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workbench.config import ClusterConfig
 
@@ -54,6 +54,16 @@ GPUS: dict[str, GpuSpec] = {
                              450.0, 50.0, power_capped=True),
     "H200-SXM-141GB": GpuSpec("H200-SXM-141GB", 989e12, 1979e12, 67e12, 141e9, 4.8e12,
                               450.0, 50.0),
+    # Older pools of mixed clusters (AMP's AWS experiments): V100 SXM2 datasheet (125 TFLOP/s
+    # FP16 tensor, 15.7 FP32, 16 GB HBM2 at 900 GB/s, NVLink2 300 GB/s bidirectional); T4
+    # datasheet (65 TFLOP/s FP16 tensor, 8.1 FP32, 16 GB GDDR6 at 320 GB/s, PCIe Gen3 x16
+    # 32 GB/s bidirectional). No BF16 on
+    # either: the 16-bit figures are FP16. NICs: AWS P3.8xlarge 10 Gb/s and G4dn.12xlarge
+    # 50 Gb/s per node of 4 GPUs.
+    "V100-SXM2-16GB": GpuSpec("V100-SXM2-16GB", 125e12, 0.0, 15.7e12, 16 * GIB, 0.9e12,
+                              150.0, 10 / 8 / 4, gpus_per_node=4),
+    "T4-16GB": GpuSpec("T4-16GB", 65e12, 0.0, 8.1e12, 16 * GIB, 0.32e12, 16.0, 50 / 8 / 4,
+                       gpus_per_node=4),
 }
 
 
@@ -77,6 +87,10 @@ def match_gpu(name: str) -> GpuSpec:
         if (mem and max(mem) >= 90) or "500W" in text or "LOWER TDP" in text:
             return GPUS["H100-SXM-96GB"]
         return GPUS["H100-SXM-80GB"]
+    if "V100" in text:
+        return GPUS["V100-SXM2-16GB"]
+    if re.search(r"\bT4\b", text):
+        return GPUS["T4-16GB"]
     raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (matched loosely)")
 
 
@@ -107,3 +121,22 @@ def cluster_for(gpu_name: str, n_gpus: int, gpus_per_node: int | None = None,
                          hbm_bw_bytes_per_s=spec.hbm_bw_bytes_per_s,
                          intra_node_gbps=spec.intra_node_gbps,
                          inter_node_gbps=spec.inter_node_gbps, coeff=dict(coeff or {}))
+
+
+def hardware_for_pool(gpu_name: str, figures: dict[str, float], gpus_per_node: int = 0
+                      ) -> GpuSpec:
+    """A pool's GpuSpec: the datasheet of its loosely named GPU with the figures it gives
+    (names of GpuSpec fields) put over it; a GPU no name matches needs all six figures and
+    gpus_per_node (KeyError otherwise, naming the known GPUs)."""
+    try:
+        base = match_gpu(gpu_name)
+    except KeyError:
+        needed = ("peak_bf16_flops", "peak_fp32_flops", "hbm_bytes", "hbm_bw_bytes_per_s",
+                  "intra_node_gbps", "inter_node_gbps")
+        if any(k not in figures for k in needed) or gpus_per_node < 1:
+            raise
+        base = GpuSpec(gpu_name, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, gpus_per_node)
+    spec = replace(base, **figures)
+    if gpus_per_node > 0:
+        spec = replace(spec, gpus_per_node=int(gpus_per_node))
+    return spec

@@ -1,0 +1,175 @@
+"""Layout search over pools: which pools, in which pipeline order, and every layout on them.
+
+The space: every ordered choice of pools (one pool alone answers "is the fast pool enough?"),
+crossed with tensor-parallel degree tp (inside a node of every chosen pool), one data-parallel
+degree dp for every stage (what the engine runs), micro-batch, recompute and sequence parallel.
+A chosen pool is used whole: it holds G / (tp dp) consecutive pipeline stages of tp x dp GPUs
+each, so a stage never spans two GPU types. Every layout gets its own layer split
+(workbench.plan.hetero.balance) and is checked by the cost rules every planner path shares
+(workbench.plan.rules), as a pipeline of all its stages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.config import LowRankConfig, ModelConfig, TrainConfig
+from workbench.plan.columns import RECOMPUTE, Recompute, Schedule, columns
+from workbench.plan.costmodel import software_for
+from workbench.plan.hetero import PoolCosts, balance, build, cross_time, pool_costs, step
+from workbench.plan.pools import Pool, links, pools_of
+from workbench.plan.rules import COST_RULES, first_broken
+from workbench.plan.search import MICRO_BATCHES, NOT_FIT, divisors
+from workbench.plan.shapes import model_shape
+from workbench.plan.stages import format_split
+from workbench.plan.terms import Software
+
+
+def arrangements(n_pools: int) -> list[tuple[int, ...]]:
+    """Every ordered selection of distinct pools, singles first."""
+    return [p for k in range(1, n_pools + 1) for p in itertools.permutations(range(n_pools), k)]
+
+
+def base_space(pools: list[Pool], gb: int) -> dict[str, np.ndarray]:
+    """(tp, dp, mb, rc, sp) rows any arrangement may use, as pipeline-free columns."""
+    tps = sorted({d for p in pools for d in divisors(p.spec.gpus_per_node)})
+    dps = sorted({d for p in pools for d in divisors(p.gpus)})
+    rows = [(dp, tp, mb, rc, sp) for tp, dp, mb, rc, sp in itertools.product(
+        tps, dps, MICRO_BATCHES, Recompute, (0, 1)) if gb % (dp * mb) == 0 and (sp == 0 or tp > 1)]
+    t = np.array(rows, dtype=np.float64).T
+    a = columns(dpr=t[0], dps=1, tp=t[1], pp=1, cp=1, sp=t[4], mb=t[2], rc=t[3],
+                sched=Schedule.ONE_F_ONE_B, v=1)
+    a["ga"] = gb / (a["dpr"] * a["mb"])
+    return a
+
+
+@dataclass
+class HeteroRanking:
+    """Every layout over the cluster's pools, scored; `order` lists the feasible, best first."""
+
+    pools: list[Pool]
+    base: dict[str, np.ndarray]
+    base_idx: np.ndarray  # (N,) row of `base`
+    stage_pool: np.ndarray  # (N, S) pool of each stage, -1 past the last
+    layers: np.ndarray  # (N, S) layers of each stage
+    step_time_s: np.ndarray
+    tokens_per_s: np.ndarray
+    mem_frac: np.ndarray  # fullest stage's memory / its GPU's
+    reason: list[str]  # "" where feasible
+    order: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.base_idx)
+
+    def uses(self, i: int) -> tuple[str, ...]:
+        """The pools of layout i in pipeline order."""
+        seq = [int(p) for p in self.stage_pool[i] if p >= 0]
+        return tuple(self.pools[p].name for p in dict.fromkeys(seq))
+
+    def key(self, i: int) -> str:
+        b = int(self.base_idx[i])
+        a = self.base
+        rc = RECOMPUTE[int(a["rc"][b])]
+        return (f"tp{int(a['tp'][b])}_dp{int(a['dpr'][b])}_mb{int(a['mb'][b])}"
+                f"{'_sp' if a['sp'][b] else ''}{'' if rc == 'none' else '_rc-' + rc}")
+
+    def stages(self, i: int) -> str:
+        """`h100:10x4 | a100:6-5x7`: each pool's stages with their layer counts."""
+        out, seq = [], self.stage_pool[i]
+        for name in self.uses(i):
+            p = [j for j, q in enumerate(self.pools) if q.name == name][0]
+            out.append(f"{name}:{format_split([int(x) for x in self.layers[i][seq == p]])}")
+        return " | ".join(out)
+
+    def best_single_pool(self) -> int | None:
+        """The best feasible layout that uses one pool only (None if there is none)."""
+        return next((int(i) for i in self.order if len(self.uses(int(i))) == 1), None)
+
+    def rejected(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.reason:
+            if r:
+                out[r] = out.get(r, 0) + 1
+        return out
+
+
+def _layouts(pools: list[Pool], base: dict[str, np.ndarray]
+             ) -> tuple[np.ndarray, list[list[int]]]:
+    """(base row, stage pools) of every layout: a base row on an arrangement whose pools it
+    fits whole (tp inside their nodes, tp * dp dividing their GPUs)."""
+    rows, seqs = [], []
+    tp, dp = base["tp"].astype(int), base["dpr"].astype(int)
+    for arr in arrangements(len(pools)):
+        fits = np.ones(len(tp), dtype=bool)
+        for p in arr:
+            fits &= (pools[p].spec.gpus_per_node % tp == 0) & (pools[p].gpus % (tp * dp) == 0)
+        for b in np.flatnonzero(fits):
+            rows.append(b)
+            seqs.append([p for p in arr for _ in range(pools[p].gpus // (tp[b] * dp[b]))])
+    return np.array(rows, dtype=np.int64), seqs
+
+
+def _reasons(model: ModelConfig, base: dict[str, np.ndarray], rows: np.ndarray,
+             n_stages: np.ndarray) -> np.ndarray:
+    """Index (1-based) of the first cost rule each layout breaks, as a pipeline of its stages
+    with a given split (0: none)."""
+    a = {k: v[rows] for k, v in base.items()}
+    a.update(pp=n_stages.astype(float), sched=np.full(len(rows), float(Schedule.ONE_F_ONE_B)),
+             lf=np.zeros(len(rows)), ll=np.zeros(len(rows)), lm=np.ones(len(rows)),
+             lsum=np.full(len(rows), float(model.n_layers)))
+    world = a["dpr"] * a["tp"] * a["pp"]
+    return first_broken(model, world, a, COST_RULES)
+
+
+def rank_pools(model: ModelConfig, cluster: object, train: TrainConfig,
+               lowrank: LowRankConfig | None = None, software: Software | None = None
+               ) -> HeteroRanking:
+    """Score every layout over the cluster's pools (workbench.plan.pools.pools_of)."""
+    pools = pools_of(cluster)
+    gb = int(train.global_batch)
+    ms = model_shape(model, lowrank)
+    sw = software or software_for(train, cluster)  # type: ignore[arg-type]
+    base = base_space(pools, gb)
+    costs: list[PoolCosts] = [pool_costs(ms, p, sw, base, float(gb)) for p in pools]
+    rows, seqs = _layouts(pools, base)
+    s_max = max(len(s) for s in seqs)
+    stage_pool = np.full((len(rows), s_max), -1, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        stage_pool[i, :len(seq)] = seq
+    link = links(cluster, pools)
+    cross = np.full((len(rows), max(s_max - 1, 0)), np.nan)
+    for j in range(s_max - 1):
+        for pa, pb in itertools.permutations(range(len(pools)), 2):
+            at = (stage_pool[:, j] == pa) & (stage_pool[:, j + 1] == pb)
+            if at.any():
+                cross[at, j] = cross_time(costs, pools, link, pa, pb, rows[at])
+    ga = base["ga"][rows]
+    st = build(costs, stage_pool, rows, cross, ga)
+    n, fits_split = balance(st, model.n_layers)
+    out = step(st, n, ga)
+    broken = _reasons(model, base, rows, (stage_pool >= 0).sum(axis=1))
+    reason = [COST_RULES[c - 1].name if c else ("" if f and m else NOT_FIT)
+              for c, f, m in zip(broken, fits_split, out["fits"])]
+    ok = np.array([not r for r in reason])
+    tokens = np.where(ok, gb * model.seq_len / out["step_time_s"], np.nan)
+    feas = np.flatnonzero(ok)
+    order = feas[np.argsort(out["step_time_s"][feas], kind="stable")]
+    return HeteroRanking(pools, base, rows, stage_pool, n.astype(int), out["step_time_s"],
+                         tokens, out["mem_frac"], reason, order)
+
+
+def world_of(r: HeteroRanking, i: int) -> int:
+    b = int(r.base_idx[i])
+    return int(r.base["tp"][b] * r.base["dpr"][b]) * int((r.stage_pool[i] >= 0).sum())
+
+
+def speedup(r: HeteroRanking) -> float:
+    """Best layout's speed over the best single-pool one's (nan when either is missing)."""
+    one = r.best_single_pool()
+    if one is None or not len(r.order):
+        return math.nan
+    return float(r.step_time_s[one] / r.step_time_s[r.order[0]])

@@ -1,0 +1,121 @@
+"""A cluster as pools: nodes of one GPU type on one fabric, and the links between pools.
+
+Mixed clusters (an H100 partition beside an A100 one, V100 nodes beside a T4 node) are what
+small labs and academic Slurm sites run; the planner places whole pipeline stages on pools
+(workbench.plan.hetero), so all it needs per pool is the figures the cost model already reads
+(a GpuSpec and its coefficients) and, per pair of pools, what a pipeline cut between them pays.
+A cluster without `pools` is one pool made of its own fields, so every homogeneous plan is
+unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from workbench.config import ClusterConfig, ConfigError
+from workbench.plan.coefficients import Coefficients, coefficients
+from workbench.plan.hardware import GpuSpec, hardware_for_pool, spec_of_cluster
+
+# per-device figures a pool may give explicitly (0: the datasheet's, from its GPU name)
+FIGURES = ("peak_bf16_flops", "peak_fp32_flops", "hbm_bytes", "hbm_bw_bytes_per_s",
+           "intra_node_gbps", "inter_node_gbps")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Nodes of one GPU type: the spec the cost model evaluates them with, and how many."""
+
+    name: str
+    spec: GpuSpec
+    nodes: int
+    coeff: Coefficients
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.spec.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Link:
+    """What crossing from one pool to another costs one device: bytes/s one way, latency."""
+
+    bytes_per_s: float
+    latency_s: float
+
+
+def _pool(cluster: Any, i: int, p: Any) -> Pool:
+    where = f"cluster.pools[{i}]"
+    given = {k: float(getattr(p, k)) for k in FIGURES if float(getattr(p, k)) > 0}
+    try:
+        spec = hardware_for_pool(str(p.gpu), given, int(p.gpus_per_node))
+    except KeyError as e:
+        raise ConfigError(f"{where}.gpu", p.gpu, f"{e.args[0]}; or give all of "
+                          f"{', '.join(FIGURES)} and gpus_per_node") from None
+    if int(p.nodes) < 1:
+        raise ConfigError(f"{where}.nodes", p.nodes, "must be >= 1")
+    co = coefficients(ClusterConfig(name=str(p.name), gpu=spec.name,
+                                    coeff=dict(cluster.coeff or {})))
+    return Pool(str(p.name), spec, int(p.nodes), co)
+
+
+def pools_of(cluster: Any) -> list[Pool]:
+    """The cluster's pools in the order given; a cluster without `pools` is one pool of its
+    own fields (ConfigError naming the key for a bad pool or link)."""
+    pools_cfg = list(getattr(cluster, "pools", None) or [])
+    if not pools_cfg:
+        spec = spec_of_cluster(cluster)[0]
+        return [Pool(str(cluster.name), spec, int(cluster.nodes), coefficients(cluster))]
+    pools = [_pool(cluster, i, p) for i, p in enumerate(pools_cfg)]
+    names = [p.name for p in pools]
+    dup = next((n for n in names if names.count(n) > 1 or not n), None)
+    if dup is not None:
+        raise ConfigError("cluster.pools", names, f"pool names must be unique and non-empty "
+                                                  f"({dup!r})")
+    links(cluster, pools)  # validated here, so a bad link fails before any search
+    return pools
+
+
+def links(cluster: Any, pools: list[Pool]) -> dict[tuple[str, str], Link]:
+    """Every ordered pair of pools -> its Link: the cluster's `links` entry, else the slower of
+    the two pools' NICs (pools on one fabric) with the slower one's collective latency."""
+    names = [p.name for p in pools]
+    out: dict[tuple[str, str], Link] = {}
+    for a in pools:
+        for b in pools:
+            if a.name != b.name:
+                lat = max(a.coeff.coll_latency_inter_s, b.coeff.coll_latency_inter_s)
+                out[(a.name, b.name)] = Link(
+                    1e9 * min(a.spec.inter_node_gbps, b.spec.inter_node_gbps), lat)
+    for i, ln in enumerate(list(getattr(cluster, "links", None) or [])):
+        pair = [str(x) for x in ln.pools]
+        if len(pair) != 2 or pair[0] == pair[1] or any(x not in names for x in pair):
+            raise ConfigError(f"cluster.links[{i}].pools", pair,
+                              f"must name two different pools of {', '.join(names)}")
+        if not float(ln.gbps) > 0 or not float(ln.latency_s) >= 0:
+            raise ConfigError(f"cluster.links[{i}]", f"gbps={ln.gbps} latency_s={ln.latency_s}",
+                              "gbps must be > 0 and latency_s >= 0")
+        link = Link(1e9 * float(ln.gbps), float(ln.latency_s))
+        out[(pair[0], pair[1])] = out[(pair[1], pair[0])] = link
+    return out
+
+
+def spanning(pools: list[Pool], link: Link | None) -> Pool:
+    """One stage spread over several pools, as some planners place them (AMP's DeepSpeed runs):
+    its replicas move in lock step, so it runs at the slowest pool's pace, fits the smallest
+    memory, and its collectives cross `link`. Only for scoring such layouts: this planner never
+    builds them."""
+    if len(pools) == 1:
+        return pools[0]
+    s = [p.spec for p in pools]
+    nic = min(x.inter_node_gbps for x in s)
+    if link is not None:
+        nic = min(nic, link.bytes_per_s / 1e9)
+    spec = replace(s[0], name="+".join(p.name for p in pools),
+                   peak_bf16_flops=min(x.peak_bf16_flops for x in s),
+                   peak_fp32_flops=min(x.peak_fp32_flops for x in s),
+                   hbm_bytes=min(x.hbm_bytes for x in s),
+                   hbm_bw_bytes_per_s=min(x.hbm_bw_bytes_per_s for x in s),
+                   intra_node_gbps=min(x.intra_node_gbps for x in s), inter_node_gbps=nic)
+    slow = min(pools, key=lambda p: p.spec.peak_bf16_flops)
+    return Pool(spec.name, spec, sum(p.nodes for p in pools), slow.coeff)
