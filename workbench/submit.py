@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-
 from workbench import layout as layouts
 from workbench.cli import compose
 from workbench.config import ConfigError, RunConfig
@@ -104,7 +103,6 @@ def _prediction(cfg: RunConfig, layout: layouts.Layout) -> Dict[str, float]:
     except (ConfigError, ValueError, ZeroDivisionError):
         return {}
     return {f"pred/{k}": v for k, v in est.as_metrics().items()}
-    tracker.flush()
 
 
 def _json(obj) -> str:

@@ -30,7 +30,8 @@ def plot_stable_ranks(history: dict[str, list[tuple[int, float]]], switch_step: 
 
 
 def plot_signals(history: dict[str, list[list[float]]], shapes: dict[str, tuple[int, int]],
-                 total_steps: int, switch_step: int | None, detector: Any, signal: str, path: str) -> None:
+                 total_steps: int, switch_step: int | None, detector: Any, signal: str,
+                 path: str) -> None:
     """Every signal per layer against % of training, so the choice of signal and the switch
     can be audited: the rank the layer would get now, the energy rank of W - W0 (both in % of
     full rank), the top-k subspace overlap between checks, and the smoothed rate of the

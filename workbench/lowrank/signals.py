@@ -75,8 +75,8 @@ class LayerSignals:
         ov = 1.0 if self.basis is None else overlap(self.basis, basis)
         self.basis = basis
         self.travel += math.sqrt(max(0.0, 1.0 - ov))
-        return {"sr": sr, "rank": float(rank), "energy_rank": float(energy_rank(w - self.w0, energy)),
-                "overlap": ov, "full": float(full), "travel": self.travel}
+        return {"sr": sr, "rank": float(rank),
+                "energy_rank": float(energy_rank(w - self.w0, energy)), "overlap": ov, "full": float(full), "travel": self.travel}
 
     def state_dict(self) -> dict[str, Any]:
         return {"basis": None if self.basis is None else self.basis.clone(), "travel": self.travel}

@@ -152,7 +152,9 @@ def build(costs: list[PoolCosts], pool_idx: np.ndarray, base_idx: np.ndarray,
     p2p = 2 * np.maximum(np.hstack([pad, bound]), np.hstack([bound, pad]))
     inflight = np.minimum(n_st[:, None] - pos, ga[:, None]).astype(float)
     frag = np.array([c.frag for c in costs])[pi]
-    extra = take("buffer_bytes") + np.where(last, take("logits_bytes"), 0.0)
+    # in a pipeline every stage also holds one boundary activation in and one out (terms.memory)
+    extra = take("buffer_bytes") + np.where(last, take("logits_bytes"), 0.0) \
+        + np.where(n_st[:, None] > 1, 2.0 * take("p2p_bytes"), 0.0)
     w = np.where(first, take("embed_state_bytes"), 0.0) \
         + np.where(last, take("head_state_bytes"), 0.0) + extra * (1 + frag) \
         + np.array([c.fixed_bytes for c in costs])[pi]
