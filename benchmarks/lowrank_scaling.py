@@ -19,7 +19,8 @@ per step as the engine's ByteCounter counts them. Predicted (workbench.plan.dp_s
 step at world size 1 is the measured one (per mode: a factorized model computes faster; for
 PowerSGD, plus its hook's compute, measured by one-rank DDP with and without the hook, since
 the hook only runs with more than one rank); the all-reduce time, its overlap with the
-backward, the bytes (from the model's shape, fixed and adaptive at rank_ratio) and the CPU oversubscription are the model's. The check: predicted
+backward, the bytes (from the model's shape, fixed and adaptive at rank_ratio) and the CPU
+oversubscription are the model's. The check: predicted
 tokens/s within 20% of measured. --record stores the measured points with the chart's data
 (workbench/plan/dp_measured.json) for `python -m workbench.plan.dp_chart`.
 

@@ -76,7 +76,8 @@ class LayerSignals:
         self.basis = basis
         self.travel += math.sqrt(max(0.0, 1.0 - ov))
         return {"sr": sr, "rank": float(rank),
-                "energy_rank": float(energy_rank(w - self.w0, energy)), "overlap": ov, "full": float(full), "travel": self.travel}
+                "energy_rank": float(energy_rank(w - self.w0, energy)), "overlap": ov,
+                "full": float(full), "travel": self.travel}
 
     def state_dict(self) -> dict[str, Any]:
         return {"basis": None if self.basis is None else self.basis.clone(), "travel": self.travel}
