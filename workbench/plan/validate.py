@@ -21,6 +21,7 @@ from workbench.layout import validate as validate_layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.costmodel import Estimate, estimate
 from workbench.plan.hardware import GIB, cluster_for
+from workbench.plan.stages import parse_split
 from workbench.plan.terms import Software
 
 REQUIRED = ("n_layers", "hidden", "n_heads", "seq_len", "gpu_type", "n_gpus", "tp", "pp", "dp")
@@ -144,6 +145,9 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
                     pp_schedule=sched, virtual_stages=v if pp > 1 else 1)
     if layout.pp > 1 and layout.grad_accum < layout.pp:
         layout = Layout(**{**layout.__dict__, "pp_schedule": "gpipe"})
+    if (row.get("stage_layers") or "").strip():  # the published run's own uneven split
+        layout = Layout(**{**layout.__dict__,
+                           "stage_layers": parse_split(row["stage_layers"].strip())})
     try:
         validate_layout(layout, model, layout.world_size)
     except ConfigError as e:
