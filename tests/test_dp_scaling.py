@@ -86,7 +86,7 @@ def test_benchmark_without_root_says_so_and_exits_2(tmp_path):
     import shutil
 
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to drop to an unprivileged user")
+        need_service("root and setpriv (util-linux)", "dropping to an unprivileged user")
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                            sys.executable, str(REPO / "benchmarks" / "lowrank_scaling.py")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
