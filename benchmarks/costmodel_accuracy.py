@@ -250,10 +250,10 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--csv", type=Path, action="append", default=None,
                    help="rows to score (repeatable; default: the shared published_layouts.csv "
-                        "and this project's benchmarks/calibration/*.csv)")
+                        "and this project's benchmarks/calibration/*_layouts.csv)")
     p.add_argument("--memory-csv", type=Path, default=None)
     args = p.parse_args(argv)
-    paths = args.csv or [default_csv(), *sorted(PROJECT_CSV.glob("*.csv"))]
+    paths = args.csv or [default_csv(), *sorted(PROJECT_CSV.glob("*_layouts.csv"))]
     rows: list[dict[str, str]] = []
     for path in paths:
         if path == default_csv() and not path.is_file() and not args.csv:
