@@ -138,6 +138,7 @@ def _long_readme_block(item) -> bool:
                                            for c in block.commands)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into node ids
 def pytest_collection_modifyitems(config, items):
     """Every test that uses the one-node Slurm cluster runs on one pytest-xdist worker (its two
     CPUs are one resource), as do the tracking-server tests and each module of

@@ -37,8 +37,9 @@ STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (co
 SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
     "benchmarks/loop_overhead.py": ["--steps", "8", "--trials", "1"],  # > its 5 warm-up steps
     "benchmarks/parallel_cpu.py": ["--steps", "2"],
-    "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
-                                  "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
+    "benchmarks/lowrank_cpu.py": ["--steps", "12", "--modes", "off,adaptive", "model.n_layers=2",
+                                  "model.hidden=64", "model.ffn_hidden=256",
+                                  "model.seq_len=64"],  # gpt_small cut; the sweep runs all 4
     "benchmarks/lowrank_switch.py": ["--steps", "60"],  # gpt_tiny, 4 runs to their switch
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
@@ -192,7 +193,7 @@ def test_readme_block_runs(block: Block, clone: Path):
     cmds = [_install_tail(c) for c in block.commands] if "install" in block.tags \
         else [scaled(c) for c in block.commands]
     script = "set -euo pipefail\n" + "\n".join(
-        f"echo {shlex.quote('+ ' + c.splitlines()[0])} >&2\n{c}" for c in cmds) + "\n"
+        f"echo \"+ [$SECONDS s] \"{shlex.quote(c.splitlines()[0])} >&2\n{c}" for c in cmds) + "\n"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # ./mlflow.db
     proc = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True,
                           timeout=1500, env=env)
