@@ -115,6 +115,7 @@ def pytest_configure(config):
         share = str(max(1, (os.cpu_count() or 1) // workers))
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, share)
+    config.pluginmanager.register(_GroupingCheck(), "workbench-grouping-check")
 
 
 # Tests that run for minutes go first, so that pytest-xdist's workers finish together instead of
@@ -157,3 +158,20 @@ def pytest_collection_modifyitems(config, items):
         return (not slurm, long, not slow)
 
     items.sort(key=rank)  # stable: collection order within a rank
+
+
+
+class _GroupingCheck:
+    """pytest-xdist groups by a suffix it writes into each node id; a pytest that reads node ids
+    from elsewhere (9.2) silently drops it and every group is spread over the workers again (two
+    Slurm tests at once on a 2-CPU cluster, each multi-rank fixture computed twice)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        lost = [i.nodeid for i in items
+                if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist dropped the xdist_group of {lost[0]} (and "
+                                    f"{len(lost) - 1} more): use a pytest it supports")
