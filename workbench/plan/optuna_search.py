@@ -7,9 +7,10 @@ The space is parametrized for TPE, not as a flat bag of categories:
 - invalid combinations are repaired where the repair is obvious (cp lowered until tp*pp*cp
   divides the world; micro-batch lowered until dp*micro_batch divides the global batch and a
   pipeline gets >= pp micro-batches), so few trials are spent on structural errors;
-- recompute is not sampled: each trial uses the lightest recompute that fits in memory (a
-  memory check of that one layout, as a launcher does before any launch; recomputing more than
-  memory needs never makes a step faster), which removes the rc x memory cliff TPE stalls on;
+- recompute and the pipeline's stage split are not sampled: each trial scores its degrees with
+  every recompute and every split the exhaustive planner scores (uneven first and last stages)
+  and keeps the fastest that fits (one vectorized score; recomputing more than memory needs
+  never makes a step faster), which removes the rc x memory cliff TPE stalls on;
   likewise a data-parallel mode that does not fit is repaired towards more parameter sharding
   (replicate -> hybrid -> shard), so a move such as "no pipeline" is not lost to a memory cliff;
 - the last `local_share` of the budget is a first-improvement neighbourhood search around the
@@ -33,7 +34,15 @@ from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainCon
 from workbench.layout import Layout
 from workbench.plan.columns import SCHEDULES, Recompute, Schedule, code, columns
 from workbench.plan.rules import COST_RULES, first_broken, select
-from workbench.plan.search import MICRO_BATCHES, NOT_FIT, SCHED_V, divisors, score
+from workbench.plan.search import (
+    MICRO_BATCHES,
+    NOT_FIT,
+    REASONS,
+    SCHED_V,
+    divisors,
+    score,
+    with_splits,
+)
 
 # the rules a micro-batch is repaired against (the batch splits into whole micro-batches, and
 # enough of them for the pipeline)
@@ -214,13 +223,16 @@ def _params_of(space: _Space, q: dict) -> set[str]:
 
 def _score_lightest(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, a: dict,
                     lowrank: LowRankConfig | None) -> tuple[float, str, Layout | None]:
-    """(tokens/s, reason it is infeasible or "", layout) with the lightest recompute that fits."""
-    reason = ""
-    for rc in Recompute:
-        r = score(model, cluster, train, columns(**{**a, "rc": rc}), lowrank)
-        if r.reason[0] == 0:
-            return float(r.tokens_per_s[0]), "", r.layout(0)
-        reason = r.reason_of(0)
-        if reason != NOT_FIT:
-            break
+    """(tokens/s, reason it is infeasible or "", layout) of the fastest layout these degrees
+    allow over every recompute and every stage split the exhaustive planner scores. Neither is
+    sampled, like the repairs: the lightest recompute that fits is never slower than a heavier
+    one, and the best split of a pipeline is a property of its degrees, not a choice TPE can
+    learn from neighbours (the split candidates differ per pp * virtual_stages)."""
+    rcs = np.array([int(r) for r in Recompute], dtype=np.float64)
+    r = score(model, cluster, train, with_splits(columns(**{**a, "rc": rcs}), model), lowrank)
+    if len(r.order):
+        best = int(r.order[0])
+        return float(r.tokens_per_s[best]), "", r.layout(best)
+    # a rule of the degrees holds for every row; NOT_FIT where some split or recompute is valid
+    reason = NOT_FIT if (r.reason == REASONS.index(NOT_FIT)).any() else r.reason_of(0)
     return 0.0, reason, None

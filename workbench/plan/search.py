@@ -69,10 +69,10 @@ def enumerate_space(world: int, model: ModelConfig | None = None) -> Columns:
     keep = ~sp_rule.breaks(None, world, a) & ~((a["pp"] == 1) & ~(
         (a["sched"] == Schedule.ONE_F_ONE_B) & (a["v"] == 1)))
     a = {name: col[keep] for name, col in a.items()}
-    return a if model is None else _with_splits(a, model)
+    return a if model is None else with_splits(a, model)
 
 
-def _with_splits(a: Columns, model: ModelConfig) -> Columns:
+def with_splits(a: Columns, model: ModelConfig) -> Columns:
     """Each layout once per candidate split of its pp * v global stages (lf/ll/lm/lsum)."""
     ms = model_shape(model)
     head_layers = ms.vocab * ms.hidden / (ms.mean_layer_matmul_params()
