@@ -31,8 +31,10 @@ from conftest import REPO, in_ci
 
 README = REPO / "README.md"
 TAGS = {"install", "ci", "slurm", "gpu", "network", "slow"}
-RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1"]
-SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1"]
+RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1",
+             "train.eval_batches=1"]
+SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1",
+               "train.eval_batches=1"]
 STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (conftest.FAST)
 SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
     "benchmarks/loop_overhead.py": ["--steps", "8", "--trials", "1"],  # > its 5 warm-up steps
