@@ -70,6 +70,12 @@ class Software:
     # the 16-bit parameter dtype (Megatron-Core's default grad buffer, NeMo's distributed
     # fused Adam with bf16 grad sync).
     grad_buffer_bytes: float = 4.0
+    # A ZeRO-1 that all-reduces the full gradients (instead of reduce-scattering them) and then
+    # all-gathers the updated 16-bit weights, both inside the optimizer step after the last
+    # backward (Aleph Alpha's scaling codebase: optimizer.py `allreduce_gradients` ->
+    # allreduce.py `allreduce_tensor_in_float32`, then `step_sequel`): 2x the reduce volume of
+    # a reduce-scatter, in fp32 on the wire, and nothing overlapped (set overlap_dp False).
+    zero1_allreduce: bool = False
 
     @property
     def act_bytes(self) -> float:

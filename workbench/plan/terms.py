@@ -304,7 +304,8 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
     ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
     ddp_lat = np.where(dpr > 1, lat_dpr, 0.0)
     if sw.dist_optimizer:  # reduce-scatter behind the last backward, gather behind a forward
-        rs, ag = ddp_elems * sw.grad_reduce_bytes + ddp_lat, ddp_elems * st.w_bytes + ddp_lat
+        rs = ddp_elems * sw.grad_reduce_bytes * (2.0 if sw.zero1_allreduce else 1.0) + ddp_lat
+        ag = ddp_elems * st.w_bytes + ddp_lat
         ddp = rs + ag
         ddp_exposed = np.maximum(rs * (1 - ov), rs - st.bwd) + np.maximum(ag * (1 - ov),
                                                                          ag - st.fwd)
