@@ -76,6 +76,12 @@ class Software:
     # allreduce.py `allreduce_tensor_in_float32`, then `step_sequel`): 2x the reduce volume of
     # a reduce-scatter, in fp32 on the wire, and nothing overlapped (set overlap_dp False).
     zero1_allreduce: bool = False
+    # Without sequence parallelism every column-parallel linear all-reduces its input gradient
+    # in the backward (Megatron's copy_to_tensor_model_parallel_region). Megatron fuses QKV and
+    # the MLP's gate+up projection, so a layer's backward has 2 all-reduces, as its forward. A
+    # stack whose SwiGLU gate and up projections are separate column-parallel linears (Aleph
+    # Alpha scaling: nn/mlp.py ParallelSwiGLUMLP `dense_in` + `siglu_weight`) has 3.
+    tp_bwd_allreduces: int = 2
 
     @property
     def act_bytes(self) -> float:

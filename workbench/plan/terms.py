@@ -266,7 +266,9 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     a, full_frac, e, pp = x.a, x.full_frac, sw.act_bytes, x.a["pp"]
     f_l = c.mm + c.attn + c.elem + co.kernel_overhead_s
     rec_l = full_frac * c.layer_f + x.sel_attn * (c.attn + c.quad_elem)
-    tp_l, cp_l = m.tp * (2 + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
+    # m.tp is one pass's 2 collectives; the backward has tp_bwd_allreduces of them without SP
+    bwd_tp = np.where(a["sp"] > 0, 1.0, sw.tp_bwd_allreduces / 2.0)
+    tp_l, cp_l = m.tp * (1 + bwd_tp + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
     head = c.head + c.loss
     emb = x.traffic * x.tok * x.act["input"] / x.hbm  # the lookup's rows, written once
     t_fwd, t_bwd, t_rec, t_tp, t_cp = stages.stage_times(

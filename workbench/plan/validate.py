@@ -91,7 +91,8 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
                         fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
                         if "TE" in p.replace("(", " ").split() else "tensorwise")
     if "dp-sync-in-step" in n:  # gradients all-reduced in fp32 inside the optimizer step
-        facts |= {"zero1_allreduce": True, "dist_optimizer": True}
+        facts |= {"zero1_allreduce": True, "dist_optimizer": True,
+                  "tp_bwd_allreduces": 3 if "separate-gate-up" in n else 2}
         return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
                         grad_reduce_bytes=4.0, **facts)
     if "FP16" in p:
