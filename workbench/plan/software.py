@@ -82,6 +82,12 @@ class Software:
     # stack whose SwiGLU gate and up projections are separate column-parallel linears (Aleph
     # Alpha scaling: nn/mlp.py ParallelSwiGLUMLP `dense_in` + `siglu_weight`) has 3.
     tp_bwd_allreduces: int = 2
+    # The LM head's vocab-parallel output is all-gathered to the full vocabulary on every TP
+    # rank before an eager fp32 cross-entropy (Aleph Alpha scaling: transformer/model/layers/
+    # lm_head.py ColumnParallelLinear with parallel_output False, losses/cross_entropy.py
+    # `.float()`): the loss and its logits buffers are not divided by tp, and the gathered 16-bit
+    # logits are alive beside the fp32 ones. False: a vocab-parallel loss (Megatron, torchtitan).
+    gathered_logits: bool = False
 
     @property
     def act_bytes(self) -> float:

@@ -92,7 +92,8 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
                         if "TE" in p.replace("(", " ").split() else "tensorwise")
     if "dp-sync-in-step" in n:  # gradients all-reduced in fp32 inside the optimizer step
         facts |= {"zero1_allreduce": True, "dist_optimizer": True,
-                  "tp_bwd_allreduces": 3 if "separate-gate-up" in n else 2}
+                  "tp_bwd_allreduces": 3 if "separate-gate-up" in n else 2,
+                  "gathered_logits": "gathered-logits" in n}
         return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
                         grad_reduce_bytes=4.0, **facts)
     if "FP16" in p:
