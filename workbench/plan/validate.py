@@ -90,7 +90,7 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
         return Software(precision="fp8", **facts,
                         fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
                         if "TE" in p.replace("(", " ").split() else "tensorwise")
-    if "dp-sync-in-step" in n:  # gradients all-reduced in fp32 inside the optimizer step
+    if "dp-sync-in-step" in n and "BF16" in p:  # grads all-reduced in fp32 in the optimizer step
         facts |= {"zero1_allreduce": True, "dist_optimizer": True,
                   "tp_bwd_allreduces": 3 if "separate-gate-up" in n else 2,
                   "gathered_logits": "gathered-logits" in n}
