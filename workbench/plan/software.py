@@ -70,6 +70,24 @@ class Software:
     # the 16-bit parameter dtype (Megatron-Core's default grad buffer, NeMo's distributed
     # fused Adam with bf16 grad sync).
     grad_buffer_bytes: float = 4.0
+    # A ZeRO-1 that all-reduces the full gradients (instead of reduce-scattering them) and then
+    # all-gathers the updated 16-bit weights, both inside the optimizer step after the last
+    # backward (Aleph Alpha's scaling codebase: optimizer.py `allreduce_gradients` ->
+    # allreduce.py `allreduce_tensor_in_float32`, then `step_sequel`): 2x the reduce volume of
+    # a reduce-scatter, in fp32 on the wire, and nothing overlapped (set overlap_dp False).
+    zero1_allreduce: bool = False
+    # Without sequence parallelism every column-parallel linear all-reduces its input gradient
+    # in the backward (Megatron's copy_to_tensor_model_parallel_region). Megatron fuses QKV and
+    # the MLP's gate+up projection, so a layer's backward has 2 all-reduces, as its forward. A
+    # stack whose SwiGLU gate and up projections are separate column-parallel linears (Aleph
+    # Alpha scaling: nn/mlp.py ParallelSwiGLUMLP `dense_in` + `siglu_weight`) has 3.
+    tp_bwd_allreduces: int = 2
+    # The LM head's vocab-parallel output is all-gathered to the full vocabulary on every TP
+    # rank before an eager fp32 cross-entropy (Aleph Alpha scaling: transformer/model/layers/
+    # lm_head.py ColumnParallelLinear with parallel_output False, losses/cross_entropy.py
+    # `.float()`): the loss and its logits buffers are not divided by tp, and the gathered 16-bit
+    # logits are alive beside the fp32 ones. False: a vocab-parallel loss (Megatron, torchtitan).
+    gathered_logits: bool = False
 
     @property
     def act_bytes(self) -> float:

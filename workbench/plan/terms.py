@@ -195,12 +195,13 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
         elem_f = elem_f + co.fp8_rowwise_cast_bytes * tok * fp8_operand_elems(ms, tp) / hbm
     head_f = 2 * tok * float(ms.hidden) * ms.vocab / tp / (
         peak * co.mm_eff_max * x.g_tok * _g(ms.vocab / tp, co.mm_dim_half))
+    loss_tp = 1.0 if sw.gathered_logits else tp  # the loss sees 1/tp of the vocabulary or all
     return Compute(mm=mm_f, attn=attn_f, elem=elem_f,
                    quad_elem=x.traffic * tok * act["quad"] / hbm,
                    layer_f=mm_f + attn_f + elem_f + co.kernel_overhead_s,
                    layer_b=2 * mm_f + attn_bwd_factor(sw) * attn_f + 2 * elem_f
                    + 2 * co.kernel_overhead_s,
-                   head=head_f, loss=x.traffic * tok * 4.0 * ms.vocab / tp / hbm)
+                   head=head_f, loss=x.traffic * tok * 4.0 * ms.vocab / loss_tp / hbm)
 
 
 @dataclass(frozen=True)
@@ -266,8 +267,14 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     a, full_frac, e, pp = x.a, x.full_frac, sw.act_bytes, x.a["pp"]
     f_l = c.mm + c.attn + c.elem + co.kernel_overhead_s
     rec_l = full_frac * c.layer_f + x.sel_attn * (c.attn + c.quad_elem)
-    tp_l, cp_l = m.tp * (2 + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
+    # m.tp is one pass's 2 collectives; the backward has tp_bwd_allreduces of them without SP
+    bwd_tp = np.where(a["sp"] > 0, 1.0, sw.tp_bwd_allreduces / 2.0)
+    tp_l, cp_l = m.tp * (1 + bwd_tp + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
     head = c.head + c.loss
+    if sw.gathered_logits:  # all-gather of the 16-bit logits over the TP group (forward)
+        bw_tp, _ = _link(a["tp"], 1, hw, co)
+        head = head + np.where(a["tp"] > 1, (a["tp"] - 1) / a["tp"] * x.tok * ms.vocab * e
+                               / bw_tp, 0.0)
     emb = x.traffic * x.tok * x.act["input"] / x.hbm  # the lookup's rows, written once
     t_fwd, t_bwd, t_rec, t_tp, t_cp = stages.stage_times(
         x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
@@ -304,7 +311,8 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
     ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
     ddp_lat = np.where(dpr > 1, lat_dpr, 0.0)
     if sw.dist_optimizer:  # reduce-scatter behind the last backward, gather behind a forward
-        rs, ag = ddp_elems * sw.grad_reduce_bytes + ddp_lat, ddp_elems * st.w_bytes + ddp_lat
+        rs = ddp_elems * sw.grad_reduce_bytes * (2.0 if sw.zero1_allreduce else 1.0) + ddp_lat
+        ag = ddp_elems * st.w_bytes + ddp_lat
         ddp = rs + ag
         ddp_exposed = np.maximum(rs * (1 - ov), rs - st.bwd) + np.maximum(ag * (1 - ov),
                                                                          ag - st.fwd)
@@ -335,6 +343,8 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # at the start of the backward three fp32 tensors of the logits' size are alive at once:
     # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
     logits = LOSS_BYTES_PER_LOGIT * tok * ms.vocab / tp  # last stage
+    if sw.gathered_logits:  # full vocabulary on every TP rank, plus the gathered 16-bit copy
+        logits = (LOSS_BYTES_PER_LOGIT + e) * tok * ms.vocab + 0.0 * tp
     # FSDP2 gathers one block at a time; inside a pipeline schedule it neither reshards after
     # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights

@@ -79,6 +79,8 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
              "eager": (torch_fsdp and not compiled) or "eager-elementwise" in n,
              "dp_stack": "deepspeed_zero3" if zero3 else "fsdp",
              "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n,
+             # K/V all-gathered once per layer (Llama 3 paper, section 3.3.2) instead of a ring
+             "cp_allgather": "cpbyall-gather" in n,
              "batch_first_sp": torch_fsdp,
              # Megatron-Core / NeMo put CP ranks in the data-parallel group, not a shard group
              "cp_shards_params": torch_fsdp or zero3,
@@ -88,6 +90,12 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
         return Software(precision="fp8", **facts,
                         fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
                         if "TE" in p.replace("(", " ").split() else "tensorwise")
+    if "dp-sync-in-step" in n and "BF16" in p:  # grads all-reduced in fp32 in the optimizer step
+        facts |= {"zero1_allreduce": True, "dist_optimizer": True,
+                  "tp_bwd_allreduces": 3 if "separate-gate-up" in n else 2,
+                  "gathered_logits": "gathered-logits" in n}
+        return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
+                        grad_reduce_bytes=4.0, **facts)
     if "FP16" in p:
         return Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=zero3,
                         grad_reduce_bytes=2.0, **facts)
@@ -129,7 +137,8 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
     # PyTorch FSDP2 + TP (torchtitan) always shards norms/residuals along the sequence, and
     # Megatron's --tp-comm-overlap refuses to run without --sequence-parallel (arguments.py).
     notes = (row.get("notes") or "").lower()
-    sp = tp > 1 and (cpsp.startswith("SP") or "FSDP2" in shard or "tp-comm-overlap" in notes)
+    sp = tp > 1 and (cpsp.startswith("SP") or "FSDP2" in shard or "tp-comm-overlap" in notes
+                     or "sequence-parallel" in notes)
     mb = _int(row, "micro_batch", 1)
     if not (row.get("global_batch") or "").strip() and pp > 1:
         raise ValueError("missing global_batch (the pipeline schedule depends on it)")

@@ -1,0 +1,94 @@
+"""Software-stack facts the calibration rows state in their notes, and what each costs.
+
+The numbers checked are the formulas' own consequences (ratios that follow from counting
+collectives and buffers), so a change to a coefficient does not break them; a change to how a
+fact is read from a row or to what it means does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from workbench.config import ModelConfig, TrainConfig
+from workbench.layout import Layout
+from workbench.plan.costmodel import Estimate, estimate
+from workbench.plan.hardware import cluster_for
+from workbench.plan.terms import Software
+from workbench.plan.validate import _software, read_rows, row_case
+
+PROJECT_CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration"
+
+# Llama-1 13B shapes, as the hagemann2023 rows use them
+MODEL = ModelConfig(name="13b", family="llama", n_layers=8, hidden=5120, n_heads=40,
+                    n_kv_heads=40, ffn_hidden=13824, vocab=32000, seq_len=2048)
+SCALING_NOTES = ("ZeRO-1 modelled as distributed optimizer (overlap-param-gather); "
+                 "dp-sync-in-step; separate-gate-up (SwiGLU gate and up are separate "
+                 "column-parallel linears); gathered-logits (LM head output all-gathered)")
+
+
+def _est(lay: Layout, sw: Software, n: int) -> Estimate:
+    train = TrainConfig(global_batch=lay.dp_replicate * lay.micro_batch * lay.grad_accum,
+                        micro_batch=lay.micro_batch, dtype="bf16")
+    return estimate(MODEL, cluster_for("A100-SXM-80GB", n), train, lay, software=sw)
+
+
+def test_scaling_codebase_facts_are_read_from_the_notes() -> None:
+    sw = _software("BF16", SCALING_NOTES, "ZeRO-1 (optimizer states sharded over dp)")
+    assert sw.zero1_allreduce and sw.dist_optimizer and not sw.overlap_dp
+    assert sw.grad_reduce_bytes == 4.0  # allreduce_tensor_in_float32
+    assert sw.tp_bwd_allreduces == 3 and sw.gathered_logits
+    plain = _software("BF16", "--overlap-param-gather", "")
+    assert not plain.zero1_allreduce and plain.tp_bwd_allreduces == 2
+    assert not plain.gathered_logits and plain.overlap_dp
+
+
+def test_gradient_sync_inside_the_optimizer_step_is_all_exposed() -> None:
+    """An all-reduce (2x a reduce-scatter) in fp32 plus the weight gather, after the last
+    backward: nothing overlaps, and it moves (2*4 + 2) / (2 + 2) times the bytes of Megatron's
+    bf16 reduce-scatter + gather."""
+    lay = Layout(dp_replicate=16, micro_batch=1, grad_accum=4)
+    overlapped = Software(dist_optimizer=True, grad_reduce_bytes=2.0)
+    in_step = replace(overlapped, zero1_allreduce=True, overlap_dp=False, grad_reduce_bytes=4.0)
+    a, b = _est(lay, overlapped, 16), _est(lay, in_step, 16)
+    assert b.dp_comm_overlapped_s == 0.0
+    total_a = a.time_s["time_dp_comm_exposed_s"] + a.dp_comm_overlapped_s
+    assert b.time_s["time_dp_comm_exposed_s"] == pytest.approx(total_a * 10 / 4, rel=0.02)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_separate_gate_and_up_projections_add_a_backward_all_reduce(sp: bool) -> None:
+    """Without SP a layer's TP time is forward (2 all-reduces) + backward (2, or 3 when the
+    SwiGLU gate and up projections are separate column-parallel linears): 5/4 of Megatron's.
+    With SP the backward is reduce-scatters of the gathered inputs: no change."""
+    lay = Layout(dp_replicate=2, tp=4, sequence_parallel=sp, micro_batch=1, grad_accum=2)
+    two = _est(lay, Software(), 8).time_s["time_tp_comm_s"]
+    three = _est(lay, Software(tp_bwd_allreduces=3), 8).time_s["time_tp_comm_s"]
+    assert three == pytest.approx(two if sp else two * 5 / 4, rel=1e-9)
+
+
+def test_gathered_logits_are_not_divided_by_tp() -> None:
+    """A vocab-parallel loss holds 1/tp of the logits per rank; gathering them first holds the
+    whole vocabulary on every rank, plus the gathered 16-bit copy (12 + 2 bytes per logit)."""
+    def logits_gib(tp: int, gathered: bool) -> float:
+        lay = Layout(dp_replicate=8 // tp, tp=tp, micro_batch=1, grad_accum=1)
+        e = _est(lay, Software(gathered_logits=gathered), 8)
+        return e.mem_bytes["mem_buffers_bytes"]  # pp 1, no FSDP, no recompute: the logits
+
+    assert logits_gib(4, False) == pytest.approx(logits_gib(1, False) / 4)
+    assert logits_gib(4, True) == pytest.approx(logits_gib(1, False) * 14 / 12)
+
+
+def test_llama3_rows_state_allgather_cp_and_no_tp_overlap() -> None:
+    """The Llama 3 paper (section 3.3.2) does context parallelism by all-gathering K/V, and
+    publishes no TP communication overlap: its rows keep sequence parallelism but hide no TP
+    collective."""
+    rows = [r for r in read_rows(PROJECT_CALIBRATION / "frontier_layouts.csv")[1]
+            if r["source_group"] == "llama3_paper"]
+    assert len(rows) == 3
+    for row in rows:
+        case = row_case(row)
+        assert case.software.cp_allgather and not case.software.overlap_tp
+        assert case.layout.sequence_parallel
