@@ -85,7 +85,7 @@ def _time_stage(rank: int, cfg: Any, splits: Dict[str, List[int]], micro_batch: 
         stage = split_stage(build(m, cfg.train.seed), rank, split)
         last = rank == len(split) - 1
 
-        def once() -> float:
+        def once(stage: torch.nn.Module = stage, last: bool = last) -> float:
             x = tokens if rank == 0 else hidden.clone().requires_grad_(True)
             t0 = time.perf_counter()
             y = stage(x)
@@ -153,7 +153,7 @@ def report(plan: PoolPipeline, even: PoolPipeline, cpus: Dict[str, float],
            runs: Dict[str, Dict[str, Any]], stages: Dict[str, List[float]]) -> Dict[str, Any]:
     """Print the comparison; the figures as one dict (--json)."""
     rows = {"planner": plan, "even": even}
-    print(f"pools in pipeline order: "
+    print("pools in pipeline order: "
           + ", ".join(f"{p} (quota {cpus[p]:.2f} CPU)" for p in plan.pools))
     print(f"{'split':<9}{'layers':<10}{'step_s pred':>12}{'step_s meas':>12}"
           f"{'loss rel err':>14}  stage s/micro-batch pred -> meas")

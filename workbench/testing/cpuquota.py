@@ -70,7 +70,7 @@ class CpuQuota:
         self.cpus = float(cpus)
         self.path = str(self.root / f"wb-{os.getpid()}-{name}")
 
-    def __enter__(self) -> "CpuQuota":
+    def __enter__(self) -> CpuQuota:
         p = Path(self.path)
         p.mkdir(exist_ok=True)
         quota_us = max(1000, int(self.cpus * PERIOD_US))
