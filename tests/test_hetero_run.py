@@ -122,7 +122,8 @@ def test_heterogeneous_sbatch_script(tmp_path):
     text = ex._make_submission_file_text("python -m x", "u")
     head, tail = text.split("#SBATCH hetjob\n")
     assert "#SBATCH --partition=debug\n" in head and "#SBATCH --ntasks-per-node=1\n" in head
-    for line in ("--partition=pool2", "--nodes=1", "--ntasks-per-node=1", "--time=30"):
+    for line in ("--partition=pool2", "--nodes=1", "--ntasks-per-node=1", "--time=30",
+                 "--signal=USR2@90"):
         assert f"#SBATCH {line}\n" in tail, line
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert srun.startswith("srun --het-group=0-1 --unbuffered")

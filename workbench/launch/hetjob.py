@@ -162,9 +162,12 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         lines = text.split("\n")
         last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
         extra: List[str] = []
+        delay = self.parameters.get("signal_delay_s")
         for c in self.components[1:]:
-            extra += ["#SBATCH hetjob"] + [f"#SBATCH --{k}={v}" for k, v in
-                                           component_options(c, self.launcher_cfg).items()]
+            opts = component_options(c, self.launcher_cfg)
+            if delay:  # every component's tasks get the time-limit warning
+                opts["signal"] = f"USR2@{delay}"
+            extra += ["#SBATCH hetjob"] + [f"#SBATCH --{k}={v}" for k, v in opts.items()]
         lines[last + 1:last + 1] = extra
         # srun's log paths: %j would be each component's own job id, a folder submitit never
         # made (slurmd then fails with "could not connect IO"); the batch script's
@@ -178,7 +181,7 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 
 def component_options(c: Component, cfg: LauncherConfig) -> Dict[str, Any]:
     """sbatch options of one component (partition, size, and what each component must repeat:
-    Slurm resets these per component)."""
+    Slurm resets these per component). launcher.extra_sbatch goes to component 0 only."""
     opts: Dict[str, Any] = {"partition": c.partition, "nodes": c.nodes,
                             "ntasks-per-node": c.tasks_per_node,
                             "cpus-per-task": cfg.cpus_per_task, "time": cfg.time_min}
