@@ -1,7 +1,8 @@
 """Against the real one-node Slurm cluster of slurm/start-local-cluster.sh: a world-size-2 run
 logging through the tracking server (HTTP), a layout search as one job array (detached, then
 collected) with its Optuna study in PostgreSQL and its runs in the server, and requeue/time-limit
-signals that resume from the checkpoint into the same MLflow run (sqlite). The README's own
+signals that resume from the checkpoint into the same MLflow run (sqlite), and a run over two
+pools (partitions) as one heterogeneous job and one MLflow run. The README's own
 Slurm blocks run the same commands on the default sqlite store. Under CI a missing cluster or
 tracking server fails."""
 
