@@ -1,4 +1,4 @@
-"""Against the real one-node Slurm cluster of slurm/start-local-cluster.sh: a world-size-2 run
+"""Against the real Slurm cluster of slurm/start-local-cluster.sh (one host, two slurmd nodes): a world-size-2 run
 logging through the tracking server (HTTP), a layout search as one job array (detached, then
 collected) with its Optuna study in PostgreSQL and its runs in the server, and requeue/time-limit
 signals that resume from the checkpoint into the same MLflow run (sqlite), and a run over two
