@@ -1,10 +1,10 @@
-"""Against the real Slurm cluster of slurm/start-local-cluster.sh (one host, two slurmd nodes): a world-size-2 run
-logging through the tracking server (HTTP), a layout search as one job array (detached, then
-collected) with its Optuna study in PostgreSQL and its runs in the server, and requeue/time-limit
-signals that resume from the checkpoint into the same MLflow run (sqlite), and a run over two
-pools (partitions) as one heterogeneous job and one MLflow run. The README's own
-Slurm blocks run the same commands on the default sqlite store. Under CI a missing cluster or
-tracking server fails."""
+"""Against the real Slurm cluster of slurm/start-local-cluster.sh (one host, two slurmd nodes):
+a world-size-2 run logging through the tracking server (HTTP), a layout search as one job array
+(detached, then collected) with its Optuna study in PostgreSQL and its runs in the server,
+requeue/time-limit signals that resume from the checkpoint into the same MLflow run (sqlite),
+and a run over two pools (partitions) as one heterogeneous job and one MLflow run. The README's
+own Slurm blocks run the same commands on the default sqlite store. Under CI a missing cluster
+or tracking server fails."""
 
 from __future__ import annotations
 
