@@ -26,7 +26,8 @@ LINK_ETC=${SLURM_LINK_ETC:-1}
 FRESH=${SLURM_FRESH:-0}
 WAIT_S=${SLURM_WAIT_S:-60}
 NODE=$(hostname -s)
-DB_PORT=3307 DBD_PORT=6819 CTLD_PORT=6817 SLURMD_PORT=6818
+DB_PORT=3307 DBD_PORT=6819 CTLD_PORT=6817 SLURMD_PORT=6818 SLURMD2_PORT=6820
+NODE2=$NODE-pool2   # the second node (partition pool2): a second slurmd on this host
 
 log() { echo "[slurm-local $(date +%T)] $*" >&2; }
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -99,7 +100,7 @@ render() {  # render TEMPLATE: fill every @NAME@ placeholder (values may span li
   local t
   t=$(<"$1")
   t=${t//@NODE@/$NODE}; t=${t//@DIR@/$D}; t=${t//@CPUS@/$CPUS}; t=${t//@MEM_MB@/$MEM_MB}
-  t=${t//@CTLD_PORT@/$CTLD_PORT}; t=${t//@SLURMD_PORT@/$SLURMD_PORT}
+  t=${t//@CTLD_PORT@/$CTLD_PORT}; t=${t//@SLURMD_PORT@/$SLURMD_PORT}; t=${t//@SLURMD2_PORT@/$SLURMD2_PORT}
   t=${t//@DBD_PORT@/$DBD_PORT}; t=${t//@DB_PORT@/$DB_PORT}
   t=${t//@AUTH_LINES@/$AUTH_LINES}; t=${t//@ACCT_LINES@/$ACCT_LINES}; t=${t//@DBD_AUTH@/$DBD_AUTH}
   printf '%s\n' "$t"
@@ -130,9 +131,13 @@ stop_pid() {  # stop_pid PIDFILE: TERM the daemon named by its pid file and wait
   pid=$(cat "$1"); kill "$pid" 2>/dev/null || true
   for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
 }
-if [ "$conf_changed" = 1 ] && { alive "$D/run/slurmctld.pid" || alive "$D/run/slurmd.pid"; }; then
-  log "config changed: restarting slurmd and slurmctld"
-  stop_pid "$D/run/slurmd.pid"; stop_pid "$D/run/slurmctld.pid"
+if [ "$conf_changed" = 1 ]; then
+  # slurmd.pid: the pid file of the one-slurmd layout before the second partition's node
+  for pf in "$D/run/slurmd.pid" "$D/run/slurmd-$NODE.pid" "$D/run/slurmd-$NODE2.pid" \
+            "$D/run/slurmctld.pid"; do
+    if alive "$pf"; then log "config changed: restarting $(basename "$pf" .pid)"; fi
+    stop_pid "$pf"
+  done
 fi
 
 # ------------------------------------------------------------------ munge
@@ -183,19 +188,28 @@ fi
 
 # ------------------------------------------------------------------ slurm daemons
 if ! alive "$D/run/slurmctld.pid"; then log "starting slurmctld"; slurmctld -f "$SLURM_CONF"; fi
-if ! alive "$D/run/slurmd.pid"; then log "starting slurmd"; slurmd -f "$SLURM_CONF" -N "$NODE"; fi
+for n in "$NODE" "$NODE2"; do
+  if ! alive "$D/run/slurmd-$n.pid"; then log "starting slurmd $n"; slurmd -f "$SLURM_CONF" -N "$n"; fi
+done
 
-state=""
+usable() {  # usable NODE: its state lets jobs start (node_state NODE prints it)
+  case "$(sinfo -h -N -n "$1" -o %T 2>/dev/null | head -1)" in idle|mixed|allocated) ;; *) return 1 ;; esac
+}
+node_state() { sinfo -h -N -n "$1" -o %T 2>/dev/null | head -1; }
 for _ in $(seq $((WAIT_S * 2))); do
-  state=$(sinfo -h -N -n "$NODE" -o %T 2>/dev/null || true)
-  case "$state" in
-    idle|mixed|allocated) break ;;
-    down*|drain*) scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true ;;
-  esac
+  usable "$NODE" && usable "$NODE2" && break
+  for n in "$NODE" "$NODE2"; do
+    case "$(node_state "$n")" in
+      down*|drain*) scontrol update NodeName="$n" State=RESUME >/dev/null 2>&1 || true ;;
+    esac
+  done
   sleep 0.5
 done
-case "$state" in
-  idle|mixed|allocated) ;;
-  *) log "node did not become idle (state '$state'); logs in $D/log/"; sinfo -R || true; exit 1 ;;
-esac
-log "cluster up in $((SECONDS - t0)) s: node $NODE $state, $CPUS CPUs, ${MEM_MB} MB; export SLURM_CONF=$SLURM_CONF"
+for n in "$NODE" "$NODE2"; do
+  if ! usable "$n"; then
+    log "node $n did not become idle (state '$(node_state "$n")'); logs in $D/log/"
+    sinfo -R || true; exit 1
+  fi
+done
+state=$(node_state "$NODE")
+log "cluster up in $((SECONDS - t0)) s: nodes $NODE (partition debug) and $NODE2 (pool2) $state, $CPUS CPUs, ${MEM_MB} MB; export SLURM_CONF=$SLURM_CONF"

@@ -17,8 +17,10 @@ if alive "$D/run/slurmctld.pid"; then
     for _ in $(seq 100); do [ -z "$(squeue -h -o %A 2>/dev/null)" ] && break; sleep 0.2; done
   fi
 fi
-for name in slurmd slurmctld slurmdbd mysqld munged; do
-  pf="$D/run/$name.pid"
+# slurmd-<node>.pid: one slurmd per node (two on this host); slurmd.pid: the one-node layout
+for pf in "$D"/run/slurmd-*.pid "$D"/run/{slurmd,slurmctld,slurmdbd,mysqld,munged}.pid; do
+  [ -e "$pf" ] || continue
+  name=$(basename "$pf" .pid)
   if alive "$pf"; then
     pid=$(cat "$pf")
     log "stopping $name (pid $pid)"

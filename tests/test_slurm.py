@@ -1,9 +1,10 @@
-"""Against the real one-node Slurm cluster of slurm/start-local-cluster.sh: a world-size-2 run
-logging through the tracking server (HTTP), a layout search as one job array (detached, then
-collected) with its Optuna study in PostgreSQL and its runs in the server, and requeue/time-limit
-signals that resume from the checkpoint into the same MLflow run (sqlite). The README's own
-Slurm blocks run the same commands on the default sqlite store. Under CI a missing cluster or
-tracking server fails."""
+"""Against the real Slurm cluster of slurm/start-local-cluster.sh (one host, two slurmd nodes):
+a world-size-2 run logging through the tracking server (HTTP), a layout search as one job array
+(detached, then collected) with its Optuna study in PostgreSQL and its runs in the server,
+requeue/time-limit signals that resume from the checkpoint into the same MLflow run (sqlite),
+and a run over two pools (partitions) as one heterogeneous job and one MLflow run. The README's
+own Slurm blocks run the same commands on the default sqlite store. Under CI a missing cluster
+or tracking server fails."""
 
 from __future__ import annotations
 
@@ -205,4 +206,38 @@ def test_real_time_limit_checkpoints_requeues_and_finishes(workdir):
     run = only_run()
     assert run.info.status == "FINISHED"
     assert int(run.data.tags["slurm.restart_count"]) >= 1, run.data.tags  # it did requeue
+    assert [s for s, _ in metric_series(run.info.run_id, "loss")] == list(range(steps))
+
+
+def test_two_pools_train_as_one_heterogeneous_job_and_one_run(workdir):
+    """cluster=cpu_two_pools with launcher.stage_pools=[fast,slow]: ONE Slurm heterogeneous job,
+    component 0 in partition debug (pipeline stage 0, 3 layers), component 1 in pool2 (stage 1,
+    1 layer), each on its partition's node; it trains and lands as one MLflow run that records
+    each stage's pool, partition and layers and the node each rank ran on."""
+    steps = 4
+    proc = cli("workbench.run", ["launcher=slurm", "cluster=cpu_two_pools",
+                                 "launcher.tasks_per_node=2", "launcher.stage_pools=[fast,slow]",
+                                 "layout=pp", "layout.stage_layers=[3,1]", f"train.steps={steps}",
+                                 "train.global_batch=8", "train.micro_batch=2",
+                                 f"train.eval_every={steps}", "data.max_bytes=1000000"],
+               workdir, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    tags, params = run.data.tags, run.data.params
+    assert params["launcher.stage_pools"] == "['fast', 'slow']"
+    assert params["layout.stage_layers"] == "3-1" and params["world_size"] == "2"
+    assert [(tags[f"wb.stage{s}.pool"], tags[f"wb.stage{s}.partition"],
+             tags[f"wb.stage{s}.layers"]) for s in (0, 1)] == \
+        [("fast", "debug", "3"), ("slow", "pool2", "1")]
+    # what Slurm did, as the ranks saw it: two components, each rank on its pool's node
+    assert tags["slurm.het_size"] == "2"
+    assert [tags[f"slurm.het_group{k}.partition"] for k in (0, 1)] == ["debug", "pool2"]
+    assert [tags[f"wb.rank{r}.node"] for r in (0, 1)] == \
+        [tags[f"slurm.het_group{k}.nodelist"] for k in (0, 1)]
+    job_id = tags["slurm.job_id"]
+    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,Partition,State"],
+                          capture_output=True, text=True, timeout=30, check=True).stdout
+    assert sorted(acct.split()) == [f"{job_id}+0|debug|COMPLETED",
+                                    f"{job_id}+1|pool2|COMPLETED"], acct
     assert [s for s, _ in metric_series(run.info.run_id, "loss")] == list(range(steps))

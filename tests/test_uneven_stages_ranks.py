@@ -87,3 +87,19 @@ def test_two_ranks_uneven_stages_match_single_process(two_ranks, ref, name):
 def test_four_ranks_uneven_stages_match_single_process(four_ranks, ref, name):
     assert_matches_single_process(four_ranks[name], ref)
     assert_ranks_hold_their_layers(four_ranks[name])
+
+
+def test_uneven_pipeline_resumes_from_its_checkpoint(tmp_path):
+    """A pipeline killed after its step-2 checkpoint resumes and repeats steps 2-3 exactly (the
+    requeue of a pooled Slurm job runs this path). DCP saves a param group's non-tensor values
+    from rank 0 only; the last stage's optimizer must keep its own betas."""
+    from test_parallel import make_case
+
+    over = ["layout=pp", "layout.stage_layers=[3,1]", "train.steps=4", "train.ckpt_every=2"]
+    cases = [make_case("whole", 2, over, tmp_path),
+             make_case("resumed", 2, over, tmp_path, "whole", keep_up_to_step=2)]
+    whole, resumed = run_cases(2, cases, load_data(cases[0].cfg.data), str(tmp_path / "ranks"),
+                               timeout_s=300)
+    assert "error" not in resumed, resumed.get("traceback")
+    assert [h["step"] for h in resumed["history"]] == [2, 3]
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in whole["history"][2:]]

@@ -57,6 +57,9 @@ class PoolConfig:
     hbm_bw_bytes_per_s: float = 0.0
     intra_node_gbps: float = 0.0  # per device, one direction, GB/s (NVLink / PCIe)
     inter_node_gbps: float = 0.0  # per device, one direction, GB/s (its NIC share)
+    # The Slurm partition of this pool's nodes: launcher=slurm with launcher.stage_pools runs
+    # one heterogeneous-job component per pool in it (workbench/launch/hetjob.py).
+    partition: str = ""
 
 
 @dataclass
@@ -195,6 +198,10 @@ class LauncherConfig:
     gpus_per_node: int = 0
     cpus_per_task: int = 1
     extra_sbatch: Dict[str, str] = field(default_factory=dict)
+    # Slurm over a cluster's pools: the pool (cluster.pools[*].name) of each pipeline rank, pp
+    # entries. Non-empty: ONE heterogeneous job, a component per pool in its partition, each
+    # stage's ranks on its pool (workbench/launch/hetjob.py). Empty: one ordinary job.
+    stage_pools: List[str] = field(default_factory=list)
 
 
 @dataclass

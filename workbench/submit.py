@@ -54,6 +54,7 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
     data = load_data(cfg.data)
     cfg.model.vocab = resolve_vocab(cfg.model.vocab, data, overrides)  # the tokenizer's size
     layout = choose_layout(cfg, world_size)
+    placed = _placement_tags(cfg, layout, world_size)  # before anything is recorded
     run_dir = new_run_dir(cfg).resolve()
     resolved = config_dict(cfg)
     resolved["train"]["run_dir"] = str(run_dir)
@@ -65,7 +66,7 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
     tags = {**manifests.tags(manifest), "wb.layout": layout.key(),
             "wb.model": cfg.model.name, "wb.cluster": cfg.cluster.name,
             "wb.launcher": cfg.launcher.name, "wb.run_dir": str(run_dir),
-            "wb.tokenizer_hash": data.tokenizer_hash[:16],
+            "wb.tokenizer_hash": data.tokenizer_hash[:16], **placed,
             **(extra_tags or {})}
     run_name = f"{cfg.model.name}-{layout.key()}-s{cfg.train.seed}"
     if cfg.lowrank.mode != "off":  # runs compared side by side need telling apart
@@ -83,6 +84,16 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
                         [run_dir / "config.yaml", run_dir / "manifest.json"], "manifest")
     job.save()
     return job
+
+
+def _placement_tags(cfg: RunConfig, layout: layouts.Layout, world_size: int) -> Dict[str, str]:
+    """Each pipeline rank's pool, partition and layers when the run spans pools
+    (launcher.stage_pools), validated against the cluster and layout; {} otherwise."""
+    if not cfg.launcher.stage_pools:
+        return {}
+    from workbench.launch.hetjob import placement, stage_tags
+
+    return stage_tags(placement(cfg, layout, world_size), layout, cfg.model.n_layers)
 
 
 def _n_params(cfg: RunConfig) -> int:

@@ -62,8 +62,13 @@ class TrainTask(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, float]:
         env = submitit.JobEnvironment()
+        het = bool(os.environ.get("SLURM_HET_SIZE"))  # one component per pool (launch/hetjob)
         if env.num_tasks > 1:
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            if het:
+                from workbench.launch.hetjob import master_addr
+
+                os.environ["MASTER_ADDR"] = master_addr()
         cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
         if cpus and "OMP_NUM_THREADS" not in os.environ:
             import torch
@@ -76,6 +81,10 @@ class TrainTask(submitit.helpers.Checkpointable):
         job = Job.load(self.job_path)
         if env.global_rank == 0:
             _tag_run(job, slurm_tags(env))
+        if het:
+            from workbench.launch.hetjob import rank_tags
+
+            _tag_run(job, rank_tags(env.global_rank))
         from workbench.train.main import run_job
 
         last = run_job(job, progress=False, stop_requested=flag.local)  # the loop agrees
@@ -199,7 +208,16 @@ class SlurmLauncher:
 
     def submit(self, job: Job, folder: Path | None = None) -> submitit.Job[Any]:
         folder = folder or Path(job.run_dir) / "slurm"
-        executor = make_executor(self.cfg, folder, f"wb-{Path(job.run_dir).name}")
+        name = f"wb-{Path(job.run_dir).name}"
+        if self.cfg.stage_pools:  # one heterogeneous job over the cluster's pools
+            from workbench.launch.hetjob import make_het_executor, placement
+
+            comps = placement(job.run_config(), job.the_layout(), job.world_size)
+            executor: submitit.SlurmExecutor = make_het_executor(
+                self.cfg, comps, folder, name, sbatch_parameters(self.cfg, name),
+                MAX_TIMEOUT_REQUEUES)
+        else:
+            executor = make_executor(self.cfg, folder, name)
         handle = executor.submit(TrainTask(str(job.path)))
         tag_submitted(job.run_config().tracking, job.run_id, handle)
         return handle

@@ -173,3 +173,47 @@ def speedup(r: HeteroRanking) -> float:
     if one is None or not len(r.order):
         return math.nan
     return float(r.step_time_s[one] / r.step_time_s[r.order[0]])
+
+
+@dataclass(frozen=True)
+class PoolPipeline:
+    """One pipeline over pools as the engine will run it: the pool and layers of each stage, the
+    predicted seconds of each stage per micro-batch (compute, head and loss, its transfers) and
+    of the whole step (1F1B fill, steady state and drain, then the all-reduce and optimizer)."""
+
+    pools: tuple[str, ...]
+    layers: tuple[int, ...]
+    stage_s: tuple[float, ...]
+    step_time_s: float
+    micro_batches: int
+
+
+def plan_pipeline(model: ModelConfig, cluster: object, train: TrainConfig, stage_pools: list[str],
+                  micro_batch: int, layers: list[int] | None = None,
+                  lowrank: LowRankConfig | None = None) -> PoolPipeline:
+    """The planner's split of `model` over one stage per entry of `stage_pools` (pool names, in
+    pipeline order; tp 1, dp 1, no recompute), or the prediction for the given `layers`: what
+    benchmarks/hetero_cpu.py runs and checks against the measured step."""
+    pools = pools_of(cluster)
+    names = [p.name for p in pools]
+    bad = [s for s in stage_pools if s not in names]
+    if bad or not stage_pools:
+        raise ValueError(f"stage pools {stage_pools}: each must be one of {names}")
+    gb = int(train.global_batch)
+    ms = model_shape(model, lowrank)
+    sw = software_for(train, cluster)  # type: ignore[arg-type]
+    base = columns(dpr=np.array([1.0]), dps=1, tp=1, pp=1, cp=1, sp=0, mb=float(micro_batch),
+                   rc=float(Recompute.NONE), sched=Schedule.ONE_F_ONE_B, v=1)
+    base["ga"] = np.array([gb / micro_batch])
+    costs = [pool_costs(ms, p, sw, base, float(gb)) for p in pools]
+    idx = [names.index(s) for s in stage_pools]
+    link = links(cluster, pools)
+    row = np.zeros(1, dtype=np.int64)
+    cross = np.array([[cross_time(costs, pools, link, a, b, row)[0]
+                       for a, b in zip(idx, idx[1:])]]).reshape(1, -1)
+    st = build(costs, np.array([idx]), row, cross, base["ga"])
+    n = np.array([layers], dtype=float) if layers else balance(st, model.n_layers)[0]
+    out = step(st, n, base["ga"])
+    return PoolPipeline(tuple(stage_pools), tuple(int(x) for x in n[0]),
+                        tuple(float(x) for x in out["stage_s"][0]),
+                        float(out["step_time_s"][0]), int(base["ga"][0]))

@@ -149,11 +149,16 @@ def _drop_checkpoints_after(folder: str, step: int, rank: int) -> None:
 
 
 def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data: TokenData,
-           out_dir: str, collective_timeout_s: float, netns: Optional[List[str]] = None) -> None:
+           out_dir: str, collective_timeout_s: float, netns: Optional[List[str]] = None,
+           cgroups: Optional[List[str]] = None) -> None:
     import torch.distributed as dist
 
     from workbench.train.parallel import comm
 
+    if cgroups and cgroups[rank]:  # before torch starts its threads: they inherit the group
+        from workbench.testing.cpuquota import join
+
+        join(cgroups[rank])
     if netns:  # before gloo opens a socket or starts a thread: its traffic takes that NIC
         from workbench.testing.netns import IFNAME, enter_namespace
 
@@ -179,19 +184,21 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
 
 def run_cases(world_size: int, cases: List[Case], data: TokenData,
               workdir: Optional[str] = None, timeout_s: float = 600.0,
-              collective_timeout_s: float = 120.0, netns: Optional[List[str]] = None
-              ) -> List[Dict[str, Any]]:
+              collective_timeout_s: float = 120.0, netns: Optional[List[str]] = None,
+              cgroups: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """Run the cases in one spawned group; per case: the main rank's result, with every
     rank's weight fingerprints merged (pipeline stages hold different parameters). The ranks
     are killed after timeout_s. `netns`: rank i runs in network namespace netns[i]
-    (workbench.testing.netns.LimitedLink), so the ranks talk only over that link."""
+    (workbench.testing.netns.LimitedLink), so the ranks talk only over that link. `cgroups`:
+    rank i runs in the cgroup at cgroups[i] ('' none; workbench.testing.cpuquota.CpuQuota)."""
     import torch.multiprocessing as mp
 
     workdir = workdir or tempfile.mkdtemp(prefix="wb-multirank-")
     os.makedirs(workdir, exist_ok=True)
     store_path = os.path.join(workdir, "store")
     ctx = mp.spawn(_child, args=(world_size, store_path, cases, data, workdir,
-                                 collective_timeout_s, netns), nprocs=world_size, join=False)
+                                 collective_timeout_s, netns, cgroups), nprocs=world_size,
+                    join=False)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:

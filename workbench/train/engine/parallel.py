@@ -235,7 +235,14 @@ class ParallelEngine:
 
     def load_optim_state_dict(self, optimizer: torch.optim.Optimizer,
                               state: Dict[str, Any]) -> None:
+        # DCP saves non-tensor values (a group's betas, eps, weight decay) from the coordinator
+        # rank only, so a pipeline rank whose parameters rank 0 does not hold gets its groups
+        # back without them: keep this optimizer's own (they come from the config).
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         set_optimizer_state_dict(self.view, optimizer, state)
+        for group, own in zip(optimizer.param_groups, hyper):
+            for key, value in own.items():
+                group.setdefault(key, value)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         with self.uncounted():
