@@ -3,6 +3,8 @@ low rank vs PowerSGD at world sizes 1, 2 and 4, the ranks talking only over a `t
 next to the cost model's prediction for that link.
 
     sudo python benchmarks/lowrank_scaling.py [--rate-mbit 1000] [--steps 20] [--quick]
+                                              [--modes off,adaptive,fixed,powersgd]
+                                              [--worlds 1,2,4] [--repeat 1]
                                               [--json OUT] [--record]
 
 Each rank runs in its own network namespace behind one veth NIC limited to --rate-mbit in both
@@ -169,6 +171,22 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
     return out
 
 
+def repeated(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
+             rate_check: bool, repeat: int) -> Dict[str, Any]:
+    """measure() `repeat` times; each point's step is the median over the repeats (the
+    spread is printed and kept under "repeats": the cores are shared with other jobs)."""
+    runs = [measure(modes, worlds, steps, rate_mbit, rate_check and i == 0)
+            for i in range(repeat)]
+    out = runs[0]
+    if repeat > 1:
+        out["repeats"] = {k: [r["points"][k]["step_s"] for r in runs] for k in out["points"]}
+        for k, v in out["repeats"].items():
+            out["points"][k]["step_s"] = statistics.median(v)
+            print(f"  {k}: {' '.join(f'{x:.3f}' for x in v)} s/step over {repeat} repeats",
+                  flush=True)
+    return out
+
+
 def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
                 rate_mbit: float) -> List[Dict[str, Any]]:
     from workbench.cli import compose
@@ -238,6 +256,10 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quick", action="store_true",
                     help="full rank and PowerSGD at world sizes 1 and 2, 8 steps (the README test)")
+    ap.add_argument("--modes", default="off,adaptive,fixed,powersgd")
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure every point this many times; the table shows the median")
     ap.add_argument("--json", default="")
     ap.add_argument("--record", action="store_true",
                     help="store the measured points for the scaling chart")
@@ -248,15 +270,21 @@ def main(argv: List[str]) -> int:
     if why:
         print(f"lowrank_scaling: the rate-limited link {why}; run it as root", file=sys.stderr)
         return 2
-    modes = ["off", "powersgd"] if a.quick else ["off", "adaptive", "fixed", "powersgd"]
-    worlds = [1, 2] if a.quick else [1, 2, 4]
+    modes = ["off", "powersgd"] if a.quick else a.modes.split(",")
+    worlds = [1, 2] if a.quick else [int(w) for w in a.worlds.split(",")]
+    bad = [m for m in modes if m not in ("off", "adaptive", "fixed", "powersgd")]
+    if bad or 1 not in worlds or any(w < 1 for w in worlds) or a.repeat < 1:
+        print(f"lowrank_scaling: --modes takes off,adaptive,fixed,powersgd, --worlds must "
+              f"include 1 (the baseline), --repeat >= 1; got {a.modes!r} {a.worlds!r} "
+              f"{a.repeat}", file=sys.stderr)
+        return 2
     steps = 8 if a.quick else a.steps
     load = os.getloadavg()
     print(f"gpt_small (seq 128, {MICRO_BATCH} sequences per rank and step), {steps} steps, DDP "
           f"over gloo, each rank behind a {a.rate_mbit:g} Mbit/s tc-limited veth NIC; "
           f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     t0 = time.time()
-    out = measure(modes, worlds, steps, a.rate_mbit, rate_check=not a.quick)
+    out = repeated(modes, worlds, steps, a.rate_mbit, not a.quick and 2 in worlds, a.repeat)
     rows = predict_all(out, modes, worlds, a.rate_mbit)
     report(rows, out, a.rate_mbit)
     load = os.getloadavg()
