@@ -13,9 +13,10 @@ tokens/s, switch step and whether the cap forced it, ranks) and checks the targe
                                      [--name NAME] [--baseline SWEEP] [overrides...]
 
 On 2 shared CPU cores this takes tens of minutes (4 runs of a 14M model; `--modes off,adaptive`
-halves it; `--modes off --name base --out D`, then `--modes adaptive --baseline base
---out D` runs them one at a time, for a shared machine's lock). At 150 steps the stable ranks are still falling and the switch is forced; the
-detector needs a run whose spectra settle (see README, Low-rank training).
+halves it; `--modes off --name base --out D`, then `--modes adaptive --baseline base --out D`
+runs them one at a time, for a shared machine's lock). At 150 steps the stable ranks are still
+falling and the switch is forced; the detector needs a run whose spectra settle (README,
+Low-rank training: 300 steps).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
     "benchmarks/tracking_throughput.py": ["--steps", "200"],
     "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
+    "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
 }
 
 
