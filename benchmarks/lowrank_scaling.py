@@ -199,6 +199,7 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
             with CpuShare(out["cores"]) as share:
                 results = run_cases(n, cases, data, f"{root}/w{n}", timeout_s=1200,
                                     netns=link.namespaces)
+            out.setdefault("link_counters", {})[str(n)] = link.counters()
             for m, r in zip(modes, results):
                 if "error" in r:
                     raise RuntimeError(f"world {n} {m}: {r['error']}\n{r.get('traceback')}")
@@ -279,6 +280,10 @@ def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) ->
           f"{out['host_copy_bytes_per_s'] / 1e9:.1f} GB/s; PowerSGD hook measured "
           f"{out.get('powersgd_hook_s', 0.0):.3f} s/step (the hook model at that bandwidth: "
           f"{out.get('hook_model_s', 0.0):.3f}); cores: {out['cores']}")
+    for n, c in out.get("link_counters", {}).items():
+        print(f"link at world {n}: tbf sent {c['sent_bytes'] / 1e9:.2f} GB, dropped "
+              f"{c['dropped']} packets; TCP retransmitted {c['retrans_segs']} segments, "
+              f"{c['timeouts']} timeouts")
     print("link probe (one TCP stream, payload): "
           + ", ".join(f"{v:.0f} Mbit/s at tc rate {k}" for k, v in out["probe_mbit"].items()))
     by = {(r["mode"], r["world"]): r for r in rows}

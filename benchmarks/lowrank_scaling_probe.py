@@ -103,6 +103,7 @@ def comm(worlds: List[int], rate_mbit: float, steps: int) -> None:
             while not ctx.join(timeout=2):
                 pass
             r = q.get()
+            tcp = link.counters()
         med = statistics.median(r["times"])
         ring = 2 * (n - 1) / n * PAYLOAD_BYTES / bw
         per = {k: sum(t[k] for t in r["ticks"]) / len(r["ticks"]) / hz for k in r["ticks"][0]}
@@ -110,8 +111,9 @@ def comm(worlds: List[int], rate_mbit: float, steps: int) -> None:
         print(f"N={n}: {med:.3f} s per all-reduce (min {min(r['times']):.3f}, max "
               f"{max(r['times']):.3f}); ring model {ring:.3f} s ({100 * (med / ring - 1):+.0f}%); "
               f"machine CPU per all-reduce: {busy:.2f} core-s (user {per['user']:.2f}, system "
-              f"{per['system']:.2f}, softirq {per['softirq']:.2f}), idle {per['idle']:.2f}",
-              flush=True)
+              f"{per['system']:.2f}, softirq {per['softirq']:.2f}), idle {per['idle']:.2f}; "
+              f"tbf dropped {tcp['dropped']} packets, TCP retransmitted {tcp['retrans_segs']} "
+              f"segments, {tcp['timeouts']} timeouts", flush=True)
 
 
 def _compute_child(rank: int, n: int, steps: int, barrier, q) -> None:
