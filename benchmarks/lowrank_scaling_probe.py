@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch.multiprocessing as mp
 
@@ -86,34 +86,54 @@ def _comm_child(rank: int, n: int, store: str, ns: List[str], steps: int, q) -> 
         q.put({"times": times, "ticks": ticks})
 
 
-def comm(worlds: List[int], rate_mbit: float, steps: int) -> None:
+def hogs(k: int) -> List[Any]:
+    """k processes that only spin: another job busy on k cores, made on purpose, so that the
+    effect of other load on a step is measured, not waited for."""
+    import subprocess
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+
+
+def comm(worlds: List[int], rate_mbit: float, steps: int, n_hogs: int = 0) -> None:
     from workbench.plan.dp_scaling import TCP_PAYLOAD_EFF
-    from workbench.testing.netns import LimitedLink
 
     hz = os.sysconf("SC_CLK_TCK")
     bw = rate_mbit * 1e6 / 8 * TCP_PAYLOAD_EFF
     print(f"all-reduce of {PAYLOAD_BYTES / 1e6:.1f} MB in DDP buckets {buckets(PAYLOAD_BYTES)} "
-          f"(fp32 elements), {rate_mbit:g} Mbit/s tc tbf per NIC, nothing else computing")
-    for n in worlds:
-        with LimitedLink(n, rate_mbit) as link:
-            q = mp.get_context("spawn").SimpleQueue()
-            store = tempfile.mktemp(prefix="wb-probe-")
-            ctx = mp.spawn(_comm_child, args=(n, store, link.namespaces, steps, q), nprocs=n,
-                           join=False)
-            while not ctx.join(timeout=2):
-                pass
-            r = q.get()
-            tcp = link.counters()
-        med = statistics.median(r["times"])
-        ring = 2 * (n - 1) / n * PAYLOAD_BYTES / bw
-        per = {k: sum(t[k] for t in r["ticks"]) / len(r["ticks"]) / hz for k in r["ticks"][0]}
-        busy = per["user"] + per["system"] + per["softirq"]
-        print(f"N={n}: {med:.3f} s per all-reduce (min {min(r['times']):.3f}, max "
-              f"{max(r['times']):.3f}); ring model {ring:.3f} s ({100 * (med / ring - 1):+.0f}%); "
-              f"machine CPU per all-reduce: {busy:.2f} core-s (user {per['user']:.2f}, system "
-              f"{per['system']:.2f}, softirq {per['softirq']:.2f}), idle {per['idle']:.2f}; "
-              f"tbf dropped {tcp['dropped']} packets, TCP retransmitted {tcp['retrans_segs']} "
-              f"segments, {tcp['timeouts']} timeouts", flush=True)
+          f"(fp32 elements), {rate_mbit:g} Mbit/s tc tbf per NIC, nothing else computing"
+          + (f" but {n_hogs} spinning process(es)" if n_hogs else ""))
+    spinning = hogs(n_hogs)
+    try:
+        for n in worlds:
+            _comm_one(n, rate_mbit, steps, bw, hz)
+    finally:
+        for p in spinning:
+            p.kill()
+            p.wait()
+
+
+def _comm_one(n: int, rate_mbit: float, steps: int, bw: float, hz: int) -> None:
+    from workbench.testing.netns import LimitedLink
+
+    with LimitedLink(n, rate_mbit) as link:
+        q = mp.get_context("spawn").SimpleQueue()
+        store = tempfile.mktemp(prefix="wb-probe-")
+        ctx = mp.spawn(_comm_child, args=(n, store, link.namespaces, steps, q), nprocs=n,
+                       join=False)
+        while not ctx.join(timeout=2):
+            pass
+        r = q.get()
+        tcp = link.counters()
+    med = statistics.median(r["times"])
+    ring = 2 * (n - 1) / n * PAYLOAD_BYTES / bw
+    per = {k: sum(t[k] for t in r["ticks"]) / len(r["ticks"]) / hz for k in r["ticks"][0]}
+    busy = per["user"] + per["system"] + per["softirq"]
+    print(f"N={n}: {med:.3f} s per all-reduce (min {min(r['times']):.3f}, max "
+          f"{max(r['times']):.3f}); ring model {ring:.3f} s ({100 * (med / ring - 1):+.0f}%); "
+          f"machine CPU per all-reduce: {busy:.2f} core-s (user {per['user']:.2f}, system "
+          f"{per['system']:.2f}, softirq {per['softirq']:.2f}), idle {per['idle']:.2f}; "
+          f"tbf dropped {tcp['dropped']} packets, TCP retransmitted {tcp['retrans_segs']} "
+          f"segments, {tcp['timeouts']} timeouts", flush=True)
 
 
 def _compute_child(rank: int, n: int, steps: int, barrier, q) -> None:
@@ -167,6 +187,8 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--worlds", default="")
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--hogs", type=int, default=0,
+                    help="comm: processes spinning meanwhile (other jobs, made on purpose)")
     a = ap.parse_args(argv)
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
@@ -177,7 +199,7 @@ def main(argv: List[str]) -> int:
         if why:
             print(f"lowrank_scaling_probe: the rate-limited link {why}", file=sys.stderr)
             return 2
-        comm([int(w) for w in (a.worlds or "2,4").split(",")], a.rate_mbit, a.steps)
+        comm([int(w) for w in (a.worlds or "2,4").split(",")], a.rate_mbit, a.steps, a.hogs)
     else:
         compute([int(w) for w in (a.worlds or "1,2,4").split(",")], a.steps)
     load = os.getloadavg()
