@@ -10,11 +10,13 @@ tokens/s, switch step and whether the cap forced it, ranks) and checks the targe
 - the switch came from the detector, not from the max_switch_frac cap.
 
     python benchmarks/lowrank_cpu.py [--steps 150] [--modes off,adaptive,...] [--out DIR]
-                                     [overrides...]
+                                     [--name NAME] [--baseline SWEEP] [overrides...]
 
 On 2 shared CPU cores this takes tens of minutes (4 runs of a 14M model; `--modes off,adaptive`
-halves it). At 150 steps the stable ranks are still falling and the switch is forced; the
-detector needs a run whose spectra settle (see README, Low-rank training).
+halves it; `--modes off --name base --out D`, then `--modes adaptive --baseline base --out D`
+runs them one at a time, for a shared machine's lock). At 150 steps the stable ranks are still
+falling and the switch is forced; the detector needs a run whose spectra settle (README,
+Low-rank training: 300 steps).
 """
 
 from __future__ import annotations
@@ -38,13 +40,17 @@ def main() -> int:
     ap.add_argument("--modes", default="off,adaptive,fixed,powersgd",
                     help="the lowrank.mode values to compare (off is the baseline)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--name", default="lowrank_cpu", help="the sweep's name under OUT/sweeps")
+    ap.add_argument("--baseline", default="",
+                    help="a sweep under the same --out (say, `--modes off --name base`) whose "
+                         "runs join the comparison: each mode can run as its own invocation")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # README tests append --steps after the overrides
     out = Path(a.out or f"bench-lowrank-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}",
            "MLFLOW_DISABLE_TELEMETRY": "true"}
-    name = "lowrank_cpu"
+    name = a.name
     cmd = [sys.executable, "-m", "workbench.run", "+sweep=lowrank_vs_fullrank",
            f"sweep.name={name}", *MODEL, f"train.steps={a.steps}", *a.overrides]
     modes = a.modes.split(",")
@@ -57,8 +63,17 @@ def main() -> int:
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
         return proc.returncode
-    rows = json.loads((out / "sweeps" / name / "report" / "summary.json").read_text())
-    print((out / "sweeps" / name / "report" / "report.md").read_text())
+    report = out / "sweeps" / name / "report"
+    if a.baseline:
+        report = report.with_name("report_with_baseline")
+        proc = subprocess.run([sys.executable, "-m", "workbench.report", name, a.baseline,
+                               "--sweeps-dir", str(out / "sweeps"), "--out", str(report)],
+                              cwd=out, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return proc.returncode
+    rows = json.loads((report / "summary.json").read_text())
+    print((report / "report.md").read_text())
     by = {r["run"]: r for r in rows}
     ad = by.get("adaptive", {})
     frac = float(ad.get("switch_frac") or "nan")
@@ -68,7 +83,10 @@ def main() -> int:
         f"switch by the detector (at {100 * frac:.1f}% of training), not forced by the cap":
             ad.get("switch_forced") == "no",
     }
-    print(f"\nsweep wall-clock: {wall_s:.0f} s; report: {out / 'sweeps' / name / 'report'}")
+    print(f"\nsweep wall-clock: {wall_s:.0f} s; report: {report}")
+    if not ad:
+        print("no adaptive run here: nothing to check (see --baseline)")
+        return 0
     for what, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {what}")
     return 0

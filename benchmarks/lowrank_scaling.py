@@ -3,6 +3,8 @@ low rank vs PowerSGD at world sizes 1, 2 and 4, the ranks talking only over a `t
 next to the cost model's prediction for that link.
 
     sudo python benchmarks/lowrank_scaling.py [--rate-mbit 1000] [--steps 20] [--quick]
+                                              [--modes off,adaptive,fixed,powersgd]
+                                              [--worlds 1,2,4] [--repeat 1]
                                               [--json OUT] [--record]
 
 Each rank runs in its own network namespace behind one veth NIC limited to --rate-mbit in both
@@ -20,7 +22,8 @@ step at world size 1 is the measured one (per mode: a factorized model computes 
 PowerSGD, plus its hook's compute, measured by one-rank DDP with and without the hook, since
 the hook only runs with more than one rank); the all-reduce time, its overlap with the
 backward, the bytes (from the model's shape, fixed and adaptive at rank_ratio) and the CPU
-oversubscription are the model's. The check: predicted
+oversubscription are the model's, the cores counted as those left free of other jobs while
+each point was measured (CpuShare; printed as "free"). The check: predicted
 tokens/s within 20% of measured. --record stores the measured points with the chart's data
 (workbench/plan/dp_measured.json) for `python -m workbench.plan.dp_chart`.
 
@@ -57,6 +60,46 @@ def timed(history: List[Dict[str, float]], first: int) -> Dict[str, float]:
     return {"step_s": statistics.median(h["step_time_s"] for h in rows),
             "bytes": max(h.get("comm/bytes_per_step", 0.0) for h in rows[-1:]),
             "trainable": rows[-1].get("params/trainable", 0.0)}
+
+
+class CpuShare:
+    """`with CpuShare(cores) as cs:` ... `cs.free`: the cores the measured code had to itself,
+    on average over the block: the machine's cores minus the CPU time every other process
+    took meanwhile (/proc/stat user + nice + system of all cores, minus this process's and
+    its reaped children's rusage; softirq, where the kernel moves the ranks' packets, is
+    left out of both).
+
+    Why: the cost model shares the cores among the ranks (N ranks on C cores compute N/C
+    times as long), and the 2 cores of this machine are shared with other jobs: a step
+    measured while they take a core is slower by a factor the model can only know if it is
+    measured. One rank alone loses nothing to one busy neighbour on 2 cores; 4 ranks lose a
+    fifth of their share to it (2/5 of a core each instead of 2/4)."""
+
+    def __init__(self, cores: int):
+        self.cores, self.free = cores, float(cores)
+
+    @staticmethod
+    def _busy_s() -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (v[0] + v[1] + v[2]) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_s() -> float:
+        import resource
+
+        return sum(r.ru_utime + r.ru_stime for r in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    def __enter__(self) -> CpuShare:
+        self._t, self._busy, self._own = time.perf_counter(), self._busy_s(), self._own_s()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall = time.perf_counter() - self._t
+        others = (self._busy_s() - self._busy) - (self._own_s() - self._own)
+        self.free = min(float(self.cores), max(0.25, self.cores - max(0.0, others) / wall))
 
 
 def copy_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
@@ -141,9 +184,11 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
         if m == "powersgd" and "off" in modes:  # one process has nothing to compress
             continue
         c = cfgs[m, 1]
-        r = run_single(c, layouts.resolve(c.layout, c.train, 1), data, f"{root}/w1-{m}")
-        out["points"][f"{m}/1"] = timed(r["history"], first)
-        print(f"  world 1 {m}: {out['points'][f'{m}/1']['step_s']:.3f} s/step", flush=True)
+        with CpuShare(out["cores"]) as share:
+            r = run_single(c, layouts.resolve(c.layout, c.train, 1), data, f"{root}/w1-{m}")
+        out["points"][f"{m}/1"] = {**timed(r["history"], first), "free_cores": share.free}
+        print(f"  world 1 {m}: {out['points'][f'{m}/1']['step_s']:.3f} s/step, "
+              f"{share.free:.2f} of {out['cores']} cores free of other jobs", flush=True)
     if "powersgd" in modes and "off" in modes:
         out["points"]["powersgd/1"] = dict(out["points"]["off/1"])
     for n in [w for w in worlds if w > 1]:
@@ -151,14 +196,17 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
                       "") for m in modes]
         with LimitedLink(n, rate_mbit) as link:
             out["probe_mbit"][str(rate_mbit)] = probe_bytes_per_s(link) * 8 / 1e6
-            results = run_cases(n, cases, data, f"{root}/w{n}", timeout_s=1200,
-                                netns=link.namespaces)
+            with CpuShare(out["cores"]) as share:
+                results = run_cases(n, cases, data, f"{root}/w{n}", timeout_s=1200,
+                                    netns=link.namespaces)
+            out.setdefault("link_counters", {})[str(n)] = link.counters()
             for m, r in zip(modes, results):
                 if "error" in r:
                     raise RuntimeError(f"world {n} {m}: {r['error']}\n{r.get('traceback')}")
-                out["points"][f"{m}/{n}"] = timed(r["history"], first)
-                print(f"  world {n} {m}: {out['points'][f'{m}/{n}']['step_s']:.3f} s/step",
-                      flush=True)
+                out["points"][f"{m}/{n}"] = {**timed(r["history"], first),
+                                             "free_cores": share.free}
+                print(f"  world {n} {m}: {out['points'][f'{m}/{n}']['step_s']:.3f} s/step, "
+                      f"{share.free:.2f} of {out['cores']} cores free of other jobs", flush=True)
             if rate_check and n == 2 and "off" in modes:  # does the step follow the tc rate?
                 fast = 4 * rate_mbit
                 link.set_rate(fast)
@@ -166,6 +214,24 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
                 r = run_cases(n, cases[:1], data, f"{root}/w{n}-fast", timeout_s=600,
                               netns=link.namespaces)[0]
                 out["rate_check"] = {"rate_mbit": fast, **timed(r["history"], first)}
+    return out
+
+
+def repeated(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
+             rate_check: bool, repeat: int) -> Dict[str, Any]:
+    """measure() `repeat` times; each point's step is the median over the repeats (the
+    spread is printed and kept under "repeats": the cores are shared with other jobs)."""
+    runs = [measure(modes, worlds, steps, rate_mbit, rate_check and i == 0)
+            for i in range(repeat)]
+    out = runs[0]
+    if repeat > 1:
+        out["repeats"] = {k: [[r["points"][k]["step_s"], r["points"][k]["free_cores"]]
+                              for r in runs] for k in out["points"]}
+        for k, v in out["repeats"].items():
+            out["points"][k]["step_s"] = statistics.median(x[0] for x in v)
+            out["points"][k]["free_cores"] = statistics.median(x[1] for x in v)
+            print(f"  {k}: " + ", ".join(f"{x[0]:.3f} s/step ({x[1]:.2f} cores free)"
+                                         for x in v), flush=True)
     return out
 
 
@@ -181,14 +247,17 @@ def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
     for m in modes:
         for n in worlds:
             p = out["points"][f"{m}/{n}"]
-            pr = cpu_prediction(model, m, out["points"][f"{m}/1"]["step_s"], n, rate_mbit,
-                                out["cores"], out.get("powersgd_hook_s", 0.0))
+            one = out["points"][f"{m}/1"]
+            pr = cpu_prediction(model, m, one["step_s"], n, rate_mbit,
+                                p.get("free_cores", out["cores"]), out.get("powersgd_hook_s", 0.0),
+                                one.get("free_cores", out["cores"]))
             tok = MICRO_BATCH * n * model.seq_len
             rows.append({"mode": m, "world": n, "step_s": p["step_s"],
                          "tokens_per_s": tok / p["step_s"], "bytes": p["bytes"],
                          "pred_bytes": pr.payload_bytes if n > 1 else 0.0,
                          "pred_step_s": pr.step_s, "pred_tokens_per_s": tok / pr.step_s,
-                         "pred_efficiency": pr.efficiency})
+                         "pred_efficiency": pr.efficiency,
+                         "free_cores": p.get("free_cores", out["cores"])})
     one = {r["mode"]: r["tokens_per_s"] for r in rows if r["world"] == 1}
     for r in rows:
         r["efficiency"] = r["tokens_per_s"] / (r["world"] * one[r["mode"]])
@@ -197,10 +266,11 @@ def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
 
 
 def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) -> bool:
-    print(f"\n{'mode':<9} {'N':>2} {'MB/step':>8} {'pred MB':>8} {'s/step':>7} {'tokens/s':>9} "
-          f"{'eff':>5} | {'pred s':>7} {'pred tok/s':>10} {'pred eff':>8} {'err':>6}")
+    print(f"\n{'mode':<9} {'N':>2} {'free':>4} {'MB/step':>8} {'pred MB':>8} {'s/step':>7} "
+          f"{'tokens/s':>9} {'eff':>5} | {'pred s':>7} {'pred tok/s':>10} {'pred eff':>8} "
+          f"{'err':>6}")
     for r in rows:
-        print(f"{r['mode']:<9} {r['world']:>2} {r['bytes'] / 1e6:>8.2f} "
+        print(f"{r['mode']:<9} {r['world']:>2} {r['free_cores']:>4.2f} {r['bytes'] / 1e6:>8.2f} "
               f"{r['pred_bytes'] / 1e6:>8.2f} {r['step_s']:>7.3f} {r['tokens_per_s']:>9.0f} "
               f"{r['efficiency']:>5.2f} | {r['pred_step_s']:>7.3f} "
               f"{r['pred_tokens_per_s']:>10.0f} {r['pred_efficiency']:>8.2f} "
@@ -210,6 +280,10 @@ def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) ->
           f"{out['host_copy_bytes_per_s'] / 1e9:.1f} GB/s; PowerSGD hook measured "
           f"{out.get('powersgd_hook_s', 0.0):.3f} s/step (the hook model at that bandwidth: "
           f"{out.get('hook_model_s', 0.0):.3f}); cores: {out['cores']}")
+    for n, c in out.get("link_counters", {}).items():
+        print(f"link at world {n}: tbf sent {c['sent_bytes'] / 1e9:.2f} GB, dropped "
+              f"{c['dropped']} packets; TCP retransmitted {c['retrans_segs']} segments, "
+              f"{c['timeouts']} timeouts")
     print("link probe (one TCP stream, payload): "
           + ", ".join(f"{v:.0f} Mbit/s at tc rate {k}" for k, v in out["probe_mbit"].items()))
     by = {(r["mode"], r["world"]): r for r in rows}
@@ -238,6 +312,10 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quick", action="store_true",
                     help="full rank and PowerSGD at world sizes 1 and 2, 8 steps (the README test)")
+    ap.add_argument("--modes", default="off,adaptive,fixed,powersgd")
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure every point this many times; the table shows the median")
     ap.add_argument("--json", default="")
     ap.add_argument("--record", action="store_true",
                     help="store the measured points for the scaling chart")
@@ -248,15 +326,21 @@ def main(argv: List[str]) -> int:
     if why:
         print(f"lowrank_scaling: the rate-limited link {why}; run it as root", file=sys.stderr)
         return 2
-    modes = ["off", "powersgd"] if a.quick else ["off", "adaptive", "fixed", "powersgd"]
-    worlds = [1, 2] if a.quick else [1, 2, 4]
+    modes = ["off", "powersgd"] if a.quick else a.modes.split(",")
+    worlds = [1, 2] if a.quick else [int(w) for w in a.worlds.split(",")]
+    bad = [m for m in modes if m not in ("off", "adaptive", "fixed", "powersgd")]
+    if bad or 1 not in worlds or any(w < 1 for w in worlds) or a.repeat < 1:
+        print(f"lowrank_scaling: --modes takes off,adaptive,fixed,powersgd, --worlds must "
+              f"include 1 (the baseline), --repeat >= 1; got {a.modes!r} {a.worlds!r} "
+              f"{a.repeat}", file=sys.stderr)
+        return 2
     steps = 8 if a.quick else a.steps
     load = os.getloadavg()
     print(f"gpt_small (seq 128, {MICRO_BATCH} sequences per rank and step), {steps} steps, DDP "
           f"over gloo, each rank behind a {a.rate_mbit:g} Mbit/s tc-limited veth NIC; "
           f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     t0 = time.time()
-    out = measure(modes, worlds, steps, a.rate_mbit, rate_check=not a.quick)
+    out = repeated(modes, worlds, steps, a.rate_mbit, not a.quick and 2 in worlds, a.repeat)
     rows = predict_all(out, modes, worlds, a.rate_mbit)
     report(rows, out, a.rate_mbit)
     load = os.getloadavg()

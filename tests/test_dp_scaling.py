@@ -62,6 +62,21 @@ def test_cpu_prediction_counts_shared_cores():
     assert p.efficiency < 0.55
 
 
+def test_cpu_prediction_takes_the_cores_other_jobs_left():
+    """A neighbour busy on one of two cores costs one rank nothing (it keeps a core) but
+    stretches four ranks' compute from 2x to (4 + 1) / 2 = 2.5x the one-rank step."""
+    from workbench.cli import compose
+
+    model = compose(["model=gpt_small", "model.seq_len=128"]).model
+    quiet = dps.cpu_prediction(model, "off", 0.4, 4, 1000, cores=2)
+    busy = dps.cpu_prediction(model, "off", 0.4, 4, 1000, cores=2 * 4 / 5, cores_at_1=1.0)
+    assert quiet.compute_s == pytest.approx(0.8) and busy.compute_s == pytest.approx(1.0)
+    assert busy.allreduce_s == quiet.allreduce_s  # the link is the link
+    # a one-rank step measured with less than a core is unstretched first
+    assert dps.cpu_prediction(model, "off", 0.8, 4, 1000, cores=2, cores_at_1=0.5
+                              ).compute_s == pytest.approx(0.8)
+
+
 def test_chart_is_written_into_the_sweep_report(tmp_path):
     """The sweep's report gets the chart (a prediction: seconds, no training)."""
     from workbench.sweep.lowrank import scaling_chart

@@ -177,6 +177,7 @@ def test_should_switch_bounds():
     ("lowrank.energy=0", "lowrank.energy"),
     ("lowrank.check_every=0", "lowrank.check_every"),
     ("lowrank.max_switch_frac=0.01", "lowrank.max_switch_frac"),
+    ("lowrank.target_reduction=1", "lowrank.target_reduction"),
 ])
 def test_bad_criterion_keys_name_the_key(override, key):
     from workbench.cli import compose
@@ -201,6 +202,52 @@ def test_no_gain_guard():
     layers = [R.LayerShape("sq", 128, 128), R.LayerShape("wide", 512, 128)]
     # rank 77 of a 128x128 layer would hold more than the layer: it stays dense
     assert R.rank_map_for("fixed", cfg, layers, {}, {}) == {"wide": 77}
+
+
+def test_grow_to_budget_keeps_proportions_and_the_savings_target():
+    layers = [R.LayerShape("a", 384, 384), R.LayerShape("b", 1536, 384),
+              R.LayerShape("c", 384, 1536)]
+    ranks = {"a": 20, "b": 40, "c": 10}
+    total = 2_000_000  # with 0.67 M parameters outside these layers
+    saved = lambda rk: sum(s.out_features * s.in_features - rk[s.name] * (  # noqa: E731
+        s.out_features + s.in_features) for s in layers)
+    assert saved(ranks) / total > 0.5  # headroom: the stable ranks save more than asked
+    grown = R.grow_to_budget(ranks, layers, total, 0.5)
+    assert saved(grown) >= 0.5 * total  # still the target
+    assert all(grown[n] > ranks[n] for n in ranks)  # every layer got more rank ...
+    assert grown["b"] > grown["a"] > grown["c"]  # ... in the stable ranks' order
+    bigger = {n: r + 1 for n, r in grown.items()}  # and no room for one more direction each
+    assert saved(bigger) < 0.5 * total
+    # a map that already misses the target is left as it is, never shrunk
+    assert R.grow_to_budget(ranks, layers, total, 0.9) == ranks
+    cfg = LowRankConfig(mode="adaptive", target_reduction=0.5, rank_lower_bound=0.0)
+    srs = {"a": 20.0, "b": 40.0, "c": 10.0}
+    assert R.rank_map_for("adaptive", cfg, layers, {n: 1.0 for n in srs}, srs, total) == grown
+
+
+def test_layers_left_dense_keep_their_optimizer_state():
+    from workbench.lowrank.controller import dense_state, restore_dense_state
+    from workbench.train.model import build
+
+    class View:  # what the controller reads of an engine: the model it trains
+        def __init__(self, model):
+            self.view = model
+
+    model = build(_tiny(3), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 33))
+    model(x[:, :-1]).sum().backward()
+    opt.step()
+    kept = dense_state(View(model), opt)
+    F.convert(model, {"layers.1.feed_forward.w1": 8})
+    new = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    restore_dense_state(View(model), new, kept)
+    names = dict(model.named_parameters())
+    emb = names["tok_embeddings.weight"]
+    assert torch.equal(new.state[emb]["exp_avg_sq"], kept["tok_embeddings.weight"][1]["exp_avg_sq"])
+    assert new.state[emb]["exp_avg"] is not kept["tok_embeddings.weight"][1]["exp_avg"]
+    assert float(new.state[emb]["step"]) == 1.0
+    assert names["layers.1.feed_forward.w1.u.weight"] not in new.state  # a new factor: fresh
 
 
 def _tiny(n_layers: int = 4, tie: bool = False) -> ModelConfig:

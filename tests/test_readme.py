@@ -49,6 +49,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/tracking_throughput.py": ["--steps", "200"],
     "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
     "benchmarks/hetero_cpu.py": ["--quick"],  # 4 layers, 3 steps; speed printed, not checked
+    "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
 }
 
 

@@ -162,6 +162,9 @@ class LowRankConfig:
     check_every: int = 10
     power_iters: int = 2
     rank_lower_bound: float = 0.05
+    # adaptive: grow every rank by one common factor while the bytes per step stay at least
+    # this share below full rank's (0: the stable-rank ranks as they are; ranks never shrink)
+    target_reduction: float = 0.0
     round_to: int = 1
     keep_first_blocks: int = 1
     keep_last_blocks: int = 1
@@ -179,6 +182,7 @@ class LowRankConfig:
     rank_ratio: float = 0.25  # fixed: rank as a fraction of min(m, n)
     lr_rescale: float = 1.0
     rewarm_steps: int = 10
+    keep_dense_state: bool = True  # adaptive/fixed: layers left dense keep their AdamW state
     frobenius_decay: float = 1e-4
     powersgd_rank: int = 4
     powersgd_start_iter: int = 10
@@ -294,6 +298,8 @@ def _validate_lowrank(lr: LowRankConfig) -> None:
              ("straggler_frac", 0 <= lr.straggler_frac < 1, "must be in [0, 1)"),
              ("straggler_relax", lr.straggler_relax >= 1, "must be >= 1"),
              ("energy", 0 < lr.energy <= 1, "must be in (0, 1]"),
+             ("target_reduction", 0 <= lr.target_reduction < 1,
+              "must be in [0, 1) (share of full rank's bytes per step saved; 0: off)"),
              ("min_switch_frac", 0 <= lr.min_switch_frac <= 1, "must be in [0, 1]"),
              ("max_switch_frac", lr.min_switch_frac <= lr.max_switch_frac <= 1,
               f"must be in [lowrank.min_switch_frac={lr.min_switch_frac}, 1]")]

@@ -25,7 +25,7 @@ from workbench.lowrank.plots import plot_signals, plot_stable_ranks
 from workbench.lowrank.ranks import LayerShape, rank_map_for
 from workbench.train.engine import Engine
 from workbench.train.hooks import LoopHooks
-from workbench.train.model import build
+from workbench.train.model import build, trainable_params
 from workbench.train.optimizer import make_optimizer
 
 KEY = "lowrank"  # the controller's entry in every checkpoint
@@ -48,6 +48,13 @@ def merged(engine: Engine, local: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def dense_params(cfg: RunConfig) -> int:
+    """Trainable parameters of the whole dense model (every pipeline stage's, tied weights
+    once): the base of lowrank.target_reduction. Built on the CPU: on the meta device the
+    tied head and embedding come apart and would count twice."""
+    return trainable_params(build(cfg.model, cfg.train.seed, "cpu"))
+
+
 def convert_engine(engine: Engine, cfg: RunConfig, rank_map: dict[str, int]) -> None:
     """Factorize the engine's model: gather the full state, build a fresh model, factorize it,
     and rebuild the engine around it (DDP/FSDP2 cannot change their parameters under them)."""
@@ -57,6 +64,29 @@ def convert_engine(engine: Engine, cfg: RunConfig, rank_map: dict[str, int]) -> 
         model.load_state_dict(full, strict=False)  # a pipeline stage holds some layers
         lr_mod.convert(model, rank_map)
         engine.rebuild(model)
+
+
+def dense_state(engine: Engine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state of every parameter, by name and with its shape, taken before
+    the switch rebuilds the model (the parameter objects do not survive the rebuild)."""
+    return {n: (tuple(p.shape), optimizer.state[p]) for n, p in engine.view.named_parameters()
+            if p in optimizer.state}
+
+
+def restore_dense_state(engine: Engine, optimizer: torch.optim.Optimizer,
+                        kept: dict[str, Any]) -> None:
+    """Give the parameters that stayed dense (same name and shape) their AdamW moments and
+    step count back; only the new factors start from zero.
+
+    Why: a fresh AdamW takes sign-like first steps of the full LR size on every parameter
+    (m / sqrt(v) ~ 1 when both hold one gradient), which is what forced the re-warm after the
+    switch; the embeddings, norms and the dense first/last blocks (about a third of the 14M
+    model) lose nothing at the switch, so their moments still describe their gradients."""
+    for n, p in engine.view.named_parameters():
+        shape_state = kept.get(n)
+        if shape_state is not None and shape_state[0] == tuple(p.shape):
+            optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                                  for k, v in shape_state[1].items()}
 
 
 @torch.no_grad()
@@ -184,15 +214,19 @@ class LowRankController(LoopHooks):
         self.forced = self.mode == "adaptive" and not self.detector.settled()
         if self.mode == "adaptive" and not srs:  # forced by max_switch_frac between checks
             srs = {n: v["sr"] for n, v in self._measure().items()}
+        kept = dense_state(self.engine, optimizer) if self.lr.keep_dense_state else {}
         layers = [LayerShape(n, *self.shapes[n]) for n in sorted(self.shapes)]
-        rank_map = rank_map_for(self.mode, self.lr, layers, self.scales, srs)
+        dense = dense_params(self.cfg) if self.lr.target_reduction > 0 else 0
+        rank_map = rank_map_for(self.mode, self.lr, layers, self.scales, srs, dense)
         self.rank_map = self.engine.from_rank0(rank_map)
         self.switch_step = step + 1
         convert_engine(self.engine, self.cfg, self.rank_map)
         self._trainable = lr_mod.trainable_params(self.engine.view)
         metrics.update(self.switch_metrics())
         self._write_rank_map()
-        return self.make_optimizer(self.engine, self.cfg), metrics
+        new = self.make_optimizer(self.engine, self.cfg)
+        restore_dense_state(self.engine, new, kept)
+        return new, metrics
 
     def switch_metrics(self) -> dict[str, float]:
         out = {f"rank/{n}": float(r) for n, r in self.rank_map.items()}

@@ -51,8 +51,11 @@ class LayerShape:
 
 
 def rank_map_for(mode: str, cfg: LowRankConfig, layers: list[LayerShape],
-                 scales: dict[str, float], srs: dict[str, float]) -> dict[str, int]:
-    """The rank of every layer worth factorizing (others absent: they stay dense)."""
+                 scales: dict[str, float], srs: dict[str, float],
+                 total_params: float = 0.0) -> dict[str, int]:
+    """The rank of every layer worth factorizing (others absent: they stay dense).
+    Adaptive with `target_reduction` > 0 and the dense model's `total_params`: the ranks
+    grown by grow_to_budget."""
     out: dict[str, int] = {}
     for s in layers:
         if mode == "fixed":
@@ -62,4 +65,45 @@ def rank_map_for(mode: str, cfg: LowRankConfig, layers: list[LayerShape],
                               cfg.rank_lower_bound, cfg.round_to)
         if not no_gain(r, s.out_features, s.in_features):
             out[s.name] = r
+    if mode == "adaptive" and cfg.target_reduction > 0 and total_params > 0:
+        out = grow_to_budget(out, layers, total_params, cfg.target_reduction, cfg.round_to)
     return out
+
+
+def _saved(ranks: dict[str, int], shapes: dict[str, LayerShape]) -> int:
+    return sum(shapes[n].out_features * shapes[n].in_features
+               - r * (shapes[n].out_features + shapes[n].in_features) for n, r in ranks.items())
+
+
+def grow_to_budget(ranks: dict[str, int], layers: list[LayerShape], total_params: float,
+                   target_reduction: float, multiple: int = 1) -> dict[str, int]:
+    """Every rank times one factor f >= 1 (the largest that still saves `target_reduction`
+    of `total_params`), so that the layers keep the proportions the stable ranks gave them.
+
+    Why: the stable-rank rule says which layers need more rank than others, not how much
+    rank the model can afford; on the 14M model it saved 63% of the bytes where 50% was the
+    goal, and the truncation at the switch is what the low-rank run pays for in loss. The
+    extra rank keeps the next singular directions (more of each layer's energy) at a bytes
+    cost the user sets. A rank stops at the largest that still saves parameters; a map that
+    already misses the target is returned unchanged (never shrunk)."""
+    shapes = {s.name: s for s in layers}
+    need = target_reduction * total_params
+
+    def at(f: float) -> dict[str, int]:
+        out = {}
+        for n, r in ranks.items():
+            s = shapes[n]
+            full = min(s.out_features, s.in_features)
+            g = round_rank(min(full, max(r, math.ceil(f * r - 1e-9))), multiple, full)
+            top = (s.out_features * s.in_features - 1) // (s.out_features + s.in_features)
+            out[n] = max(r, min(g, top // max(1, multiple) * max(1, multiple)))
+        return out
+
+    if not ranks or _saved(ranks, shapes) < need:
+        return dict(ranks)
+    lo, hi = 1.0, max(min(shapes[n].out_features, shapes[n].in_features) / r
+                      for n, r in ranks.items()) + 1.0
+    for _ in range(50):  # saved(at(f)) falls as f grows: bisect for the last f that fits
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _saved(at(mid), shapes) >= need else (lo, mid)
+    return at(lo)

@@ -69,10 +69,13 @@ def measured_link_curves(rec: Dict[str, Any]) -> Dict[str, List[tuple]]:
     model = load_model("gpt_small")
     model.seq_len = int(rec.get("seq_len", 128))
     out: Dict[str, List[tuple]] = {}
+    cores = float(rec.get("cores", 2))
     for r in rec["rows"]:
-        p = cpu_prediction(model, r["mode"], rec["points"][f"{r['mode']}/1"]["step_s"],
-                           r["world"], float(rec["rate_mbit"]), int(rec.get("cores", 2)),
-                           float(rec.get("powersgd_hook_s", 0.0)))
+        one = rec["points"][f"{r['mode']}/1"]
+        p = cpu_prediction(model, r["mode"], one["step_s"], r["world"],
+                           float(rec["rate_mbit"]), float(r.get("free_cores", cores)),
+                           float(rec.get("powersgd_hook_s", 0.0)),
+                           float(one.get("free_cores", cores)))
         out.setdefault(r["mode"], []).append((r["world"], r["efficiency"], p.efficiency))
     return out
 

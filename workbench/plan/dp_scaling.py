@@ -15,6 +15,13 @@ the engine's ByteCounter measures (comm/allreduce_bytes): every trainable gradie
 for full and factorized models; for PowerSGD the rank-r factors P (m x r) and Q (n x r) of every
 matrix it compresses and the uncompressed rest.
 
+On CPU ranks, compute(N) is the one-rank step stretched by the sharing of cores: N ranks of one
+thread on C cores free of other jobs take max(1, N / C) times as long (cpu_prediction). The
+cores free of other jobs are measured with every step (benchmarks/lowrank_scaling.py): on a
+machine shared with other jobs a neighbour costs one rank nothing and 4 ranks a fifth of their
+share, which is what put full rank at 4 ranks 30% above this model in a run where they were
+not counted (README, "Where bytes are the bottleneck").
+
 PowerSGD also computes: its hook makes POWERSGD_PASSES passes over the gradient memory each step
 (error feedback, copies, three thin matmuls), added to the step at every world size above one
 at the memory bandwidth of the device (HBM on GPUs; on the CPU measured by the benchmark).
@@ -186,18 +193,27 @@ def predict(step1_s: float, backward_s: float, payload_bytes: float, n_ranks: in
 
 
 def cpu_prediction(model: ModelConfig, mode: str, step1_s: float, n_ranks: int,
-                   rate_mbit: float, cores: int, hook_s: float = 0.0) -> DpPoint:
+                   rate_mbit: float, cores: float, hook_s: float = 0.0,
+                   cores_at_1: float | None = None) -> DpPoint:
     """A mode of benchmarks/lowrank_scaling.py (off, adaptive, fixed, powersgd) on CPU ranks of
     one thread each behind the tc-limited link, from its measured one-rank step (and for
     PowerSGD its hook's measured compute, hook_s): the bytes from the shape (adaptive at
-    rank_ratio: its ranks are chosen while training), ranks beyond the cores share them."""
+    rank_ratio: its ranks are chosen while training), ranks beyond the cores share them.
+
+    `cores`: the cores the ranks had to themselves while the n-rank step was measured,
+    `cores_at_1` (default: the same) while the one-rank step was: the machine's cores less
+    the CPU other jobs took (benchmarks/lowrank_scaling.py measures both). On shared cores
+    the n ranks compute max(1, n / cores) times as long as one rank with all it needs, and
+    the measured one-rank step was itself stretched by max(1, 1 / cores_at_1)."""
     kind = {"adaptive": "lowrank", "fixed": "lowrank"}.get(mode, mode)
     ms = model_shape(model, lowrank_config(kind))
     payload = dp_payload_bytes(ms, kind)
     hook = hook_s if kind == "powersgd" else 0.0
+    at_1 = cores if cores_at_1 is None else cores_at_1
+    slowdown = max(1.0, n_ranks / cores) / max(1.0, 1.0 / at_1)
     return predict(step1_s, BACKWARD_SHARE * step1_s, payload, n_ranks,
                    cpu_link(rate_mbit, GLOO_CPU_OVERLAP), collectives(payload, kind),
-                   max(1.0, n_ranks / cores), hook)
+                   slowdown, hook)
 
 
 def lowrank_config(mode: str, rank_ratio: float = 0.25, powersgd_rank: int = 4

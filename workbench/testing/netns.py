@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -92,6 +93,32 @@ class LimitedLink:
             for n, dev in ((ns, IFNAME), (self.hub, f"h{i}")):
                 _sh("tc", "-n", n, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                     f"{self.rate_mbit:g}mbit", "burst", f"{self.burst_kb}kb", "latency", "50ms")
+
+    def counters(self) -> dict:
+        """Totals over every NIC and rank since the link came up: what tbf sent, dropped
+        (its queue full) and held back (overlimits: the sender had to wait for tokens), and
+        the ranks' TCP retransmitted segments and retransmission timeouts (nstat). A drop or
+        a timeout stalls a ring all-reduce for a round trip or 200 ms; none means the link
+        ran at its rate whenever it had bytes."""
+        out = {"sent_bytes": 0, "dropped": 0, "overlimits": 0, "retrans_segs": 0,
+               "timeouts": 0}
+        for i, ns in enumerate(self.namespaces):
+            for n, dev in ((ns, IFNAME), (self.hub, f"h{i}")):
+                text = subprocess.run(["tc", "-s", "-n", n, "qdisc", "show", "dev", dev],
+                                      capture_output=True, text=True, check=False).stdout
+                m = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)",
+                              text)
+                if m:
+                    for key, v in zip(("sent_bytes", "dropped", "overlimits"), m.groups()):
+                        out[key] += int(v)
+            text = subprocess.run(["ip", "netns", "exec", ns, "nstat", "-az", "TcpRetransSegs",
+                                   "TcpExtTCPTimeouts"], capture_output=True, text=True,
+                                  check=False).stdout
+            for key, name in (("retrans_segs", "TcpRetransSegs"),
+                              ("timeouts", "TcpExtTCPTimeouts")):
+                m = re.search(rf"^{name}\s+(\d+)", text, re.M)
+                out[key] += int(m.group(1)) if m else 0
+        return out
 
     def up(self) -> LimitedLink:
         reason = unavailable_reason()
