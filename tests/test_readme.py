@@ -39,9 +39,8 @@ STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (co
 SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
     "benchmarks/loop_overhead.py": ["--steps", "8", "--trials", "1"],  # > its 5 warm-up steps
     "benchmarks/parallel_cpu.py": ["--steps", "2"],
-    "benchmarks/lowrank_cpu.py": ["--steps", "12", "--modes", "off,adaptive", "model.n_layers=2",
-                                  "model.hidden=64", "model.ffn_hidden=256",
-                                  "model.seq_len=64"],  # gpt_small cut; the sweep runs all 4
+    "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
+                                  "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
     "benchmarks/lowrank_switch.py": ["--steps", "60"],  # gpt_tiny, 4 runs to their switch
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
