@@ -116,8 +116,7 @@ def test_heterogeneous_sbatch_script(tmp_path):
 
     cfg = _cfg("launcher.stage_pools=[fast,slow]", "launcher.time_min=30")
     comps = placement(cfg, layouts.resolve(cfg.layout, cfg.train, 2), 2)
-    ex = make_het_executor(cfg.launcher, comps, tmp_path, "wb-x",
-                           sbatch_parameters(cfg.launcher, "wb-x"), 3)
+    ex = make_het_executor(comps, tmp_path, sbatch_parameters(cfg.launcher, "wb-x"), 3)
     assert ex._num_tasks() == 2
     text = ex._make_submission_file_text("python -m x", "u")
     head, tail = text.split("#SBATCH hetjob\n")

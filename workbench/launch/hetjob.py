@@ -30,7 +30,7 @@ from typing import Any, Dict, List
 import submitit
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob, _parse_node_list
 
-from workbench.config import ConfigError, LauncherConfig, RunConfig
+from workbench.config import ConfigError, RunConfig
 from workbench.layout import Layout
 
 FAILED = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
@@ -148,11 +148,9 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
 
     job_class = HetSlurmJob
 
-    def __init__(self, folder: str, components: List[Component], cfg: LauncherConfig,
-                 max_num_timeout: int):
+    def __init__(self, folder: str, components: List[Component], max_num_timeout: int):
         super().__init__(folder=folder, max_num_timeout=max_num_timeout)
         self.components = components
-        self.launcher_cfg = cfg
 
     def _num_tasks(self) -> int:
         return sum(c.ntasks for c in self.components)
@@ -162,11 +160,8 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         lines = text.split("\n")
         last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
         extra: List[str] = []
-        delay = self.parameters.get("signal_delay_s")
         for c in self.components[1:]:
-            opts = component_options(c, self.launcher_cfg)
-            if delay:  # every component's tasks get the time-limit warning
-                opts["signal"] = f"USR2@{delay}"
+            opts = component_options(c, self.parameters)
             extra += ["#SBATCH hetjob"] + [f"#SBATCH --{k}={v}" for k, v in opts.items()]
         lines[last + 1:last + 1] = extra
         # srun's log paths: %j would be each component's own job id, a folder submitit never
@@ -179,26 +174,28 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
         return "\n".join(lines)
 
 
-def component_options(c: Component, cfg: LauncherConfig) -> Dict[str, Any]:
-    """sbatch options of one component (partition, size, and what each component must repeat:
-    Slurm resets these per component). launcher.extra_sbatch goes to component 0 only."""
+# what Slurm resets for each component, so every further component repeats component 0's value
+PER_COMPONENT = ("cpus_per_task", "time", "account", "qos", "constraint", "gpus_per_node")
+
+
+def component_options(c: Component, params: Dict[str, Any]) -> Dict[str, Any]:
+    """sbatch options of a further component: its partition and size, and component 0's values
+    of what Slurm resets per component, taken from the job's submitit parameters (the launcher's
+    one mapping, launch.slurm.sbatch_parameters), the time-limit warning included.
+    launcher.extra_sbatch goes to component 0 only."""
     opts: Dict[str, Any] = {"partition": c.partition, "nodes": c.nodes,
-                            "ntasks-per-node": c.tasks_per_node,
-                            "cpus-per-task": cfg.cpus_per_task, "time": cfg.time_min}
-    for key in ("account", "qos", "constraint"):
-        if getattr(cfg, key):
-            opts[key] = getattr(cfg, key)
-    if cfg.gpus_per_node:
-        opts["gpus-per-node"] = cfg.gpus_per_node
+                            "ntasks-per-node": c.tasks_per_node}
+    opts |= {k.replace("_", "-"): params[k] for k in PER_COMPONENT if k in params}
+    if params.get("signal_delay_s"):  # every component's tasks get the time-limit warning
+        opts["signal"] = f"USR2@{params['signal_delay_s']}"
     return opts
 
 
-def make_het_executor(cfg: LauncherConfig, components: List[Component], folder: Path,
-                      name: str, params: Dict[str, Any], max_num_timeout: int
-                      ) -> HetSlurmExecutor:
+def make_het_executor(components: List[Component], folder: Path, params: Dict[str, Any],
+                      max_num_timeout: int) -> HetSlurmExecutor:
     """The executor of one heterogeneous job; `params` are the launcher's sbatch parameters,
     whose partition and size become component 0's."""
-    executor = HetSlurmExecutor(str(folder / "%j"), components, cfg, max_num_timeout)
+    executor = HetSlurmExecutor(str(folder / "%j"), components, max_num_timeout)
     first = components[0]
     executor.update_parameters(**{**params, "partition": first.partition,
                                   "nodes": first.nodes, "ntasks_per_node": first.tasks_per_node})

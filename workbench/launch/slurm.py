@@ -214,8 +214,7 @@ class SlurmLauncher:
 
             comps = placement(job.run_config(), job.the_layout(), job.world_size)
             executor: submitit.SlurmExecutor = make_het_executor(
-                self.cfg, comps, folder, name, sbatch_parameters(self.cfg, name),
-                MAX_TIMEOUT_REQUEUES)
+                comps, folder, sbatch_parameters(self.cfg, name), MAX_TIMEOUT_REQUEUES)
         else:
             executor = make_executor(self.cfg, folder, name)
         handle = executor.submit(TrainTask(str(job.path)))

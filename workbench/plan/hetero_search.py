@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.config import LowRankConfig, ModelConfig, TrainConfig
+from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.plan.columns import RECOMPUTE, Recompute, Schedule, columns
 from workbench.plan.costmodel import software_for
 from workbench.plan.hetero import PoolCosts, balance, build, cross_time, pool_costs, step
@@ -125,14 +125,14 @@ def _reasons(model: ModelConfig, base: dict[str, np.ndarray], rows: np.ndarray,
     return first_broken(model, world, a, COST_RULES)
 
 
-def rank_pools(model: ModelConfig, cluster: object, train: TrainConfig,
+def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
                lowrank: LowRankConfig | None = None, software: Software | None = None
                ) -> HeteroRanking:
     """Score every layout over the cluster's pools (workbench.plan.pools.pools_of)."""
     pools = pools_of(cluster)
     gb = int(train.global_batch)
     ms = model_shape(model, lowrank)
-    sw = software or software_for(train, cluster)  # type: ignore[arg-type]
+    sw = software or software_for(train, cluster)
     base = base_space(pools, gb)
     costs: list[PoolCosts] = [pool_costs(ms, p, sw, base, float(gb)) for p in pools]
     rows, seqs = _layouts(pools, base)
@@ -188,8 +188,8 @@ class PoolPipeline:
     micro_batches: int
 
 
-def plan_pipeline(model: ModelConfig, cluster: object, train: TrainConfig, stage_pools: list[str],
-                  micro_batch: int, layers: list[int] | None = None,
+def plan_pipeline(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
+                  stage_pools: list[str], micro_batch: int, layers: list[int] | None = None,
                   lowrank: LowRankConfig | None = None) -> PoolPipeline:
     """The planner's split of `model` over one stage per entry of `stage_pools` (pool names, in
     pipeline order; tp 1, dp 1, no recompute), or the prediction for the given `layers`: what
@@ -201,7 +201,7 @@ def plan_pipeline(model: ModelConfig, cluster: object, train: TrainConfig, stage
         raise ValueError(f"stage pools {stage_pools}: each must be one of {names}")
     gb = int(train.global_batch)
     ms = model_shape(model, lowrank)
-    sw = software_for(train, cluster)  # type: ignore[arg-type]
+    sw = software_for(train, cluster)
     base = columns(dpr=np.array([1.0]), dps=1, tp=1, pp=1, cp=1, sp=0, mb=float(micro_batch),
                    rc=float(Recompute.NONE), sched=Schedule.ONE_F_ONE_B, v=1)
     base["ga"] = np.array([gb / micro_batch])
