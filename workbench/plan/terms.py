@@ -344,7 +344,7 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
     logits = LOSS_BYTES_PER_LOGIT * tok * ms.vocab / tp  # last stage
     if sw.gathered_logits:  # full vocabulary on every TP rank, plus the gathered 16-bit copy
-        logits = (LOSS_BYTES_PER_LOGIT + e) * tok * ms.vocab + 0.0 * tp
+        logits = (LOSS_BYTES_PER_LOGIT + e) * tok * ms.vocab
     # FSDP2 gathers one block at a time; inside a pipeline schedule it neither reshards after
     # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
