@@ -41,7 +41,13 @@ from workbench.plan.hetero_search import PoolPipeline, plan_pipeline
 from workbench.plan.pools import pools_of
 from workbench.plan.stages import even_split
 from workbench.testing.cpuquota import CpuQuota, unavailable_reason
-from workbench.testing.multirank import Case, run_cases, run_single
+from workbench.testing.multirank import (
+    Case,
+    max_rel_loss_err,
+    median_after_first,
+    run_cases,
+    run_single,
+)
 
 PARITY_REL = 1e-5
 
@@ -113,11 +119,6 @@ def measure_stages(cfg: Any, splits: Dict[str, List[int]], micro_batch: int,
     return {name: [per_rank[r][name] for r in range(n)] for name in splits}
 
 
-def median_after_first(history: List[Dict[str, float]], key: str) -> float:
-    values = [h[key] for h in history[1:]] or [h[key] for h in history]
-    return statistics.median(values)
-
-
 def run_splits(base: List[str], splits: Dict[str, List[int]], cgroups: List[str], root: Path,
                data: Any) -> Dict[str, Dict[str, Any]]:
     """Each split trained on 2 gloo ranks in one spawned group (rank r in cgroups[r]), then
@@ -141,7 +142,7 @@ def run_splits(base: List[str], splits: Dict[str, List[int]], cgroups: List[str]
         if "error" in res:
             raise RuntimeError(f"{case.name}: {res['error']}\n{res.get('traceback', '')}")
         losses = [h["loss"] for h in res["history"]]
-        err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        err = max_rel_loss_err(res["history"], ref)
         out[case.name] = {"key": case.layout.key(), "losses": losses,
                           "step_time_s": median_after_first(res["history"], "step_time_s"),
                           "max_rel_loss_err": err, "steps": len(losses)}

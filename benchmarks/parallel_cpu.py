@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +21,13 @@ from typing import Dict, List
 from workbench import layout as layouts
 from workbench.cli import compose
 from workbench.data.corpus import load as load_data
-from workbench.testing.multirank import Case, run_cases, run_single
+from workbench.testing.multirank import (
+    Case,
+    max_rel_loss_err,
+    median_after_first,
+    run_cases,
+    run_single,
+)
 
 LAYOUTS: Dict[str, List[str]] = {
     "ddp": ["layout=ddp"],
@@ -37,11 +42,6 @@ LAYOUTS: Dict[str, List[str]] = {
     "ddp recompute=full": ["layout=ddp", "layout.recompute=full"],
     "fsdp recompute=full": ["layout=fsdp", "layout.recompute=full"],
 }
-
-
-def median_after_first(history: List[Dict[str, float]], key: str) -> float:
-    values = [h[key] for h in history[1:]] or [h[key] for h in history]
-    return statistics.median(values)
 
 
 def main(argv: List[str]) -> int:
@@ -78,7 +78,7 @@ def main(argv: List[str]) -> int:
             rows.append({"layout": case.name, "key": case.layout.key(), "error": res["error"]})
             continue
         step = median_after_first(res["history"], "step_time_s")
-        err = max(abs(h["loss"] - r) / abs(r) for h, r in zip(res["history"], ref_losses))
+        err = max_rel_loss_err(res["history"], ref_losses)
         rows.append({"layout": case.name, "key": case.layout.key(), "step_time_s": step,
                      "tokens_per_s": median_after_first(res["history"], "tokens_per_s"),
                      "ratio": ref_step / step,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import tempfile
 import time
 import traceback
@@ -79,6 +80,19 @@ def _record(history: List[Dict[str, float]]):
         history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
 
     return on_step
+
+
+def median_after_first(history: List[Dict[str, float]], key: str) -> float:
+    """A run's typical step: the median of `key` over every step but the first, which pays
+    for warm-up (allocations, gloo's first connections)."""
+    values = [h[key] for h in history[1:]] or [h[key] for h in history]
+    return statistics.median(values)
+
+
+def max_rel_loss_err(history: List[Dict[str, float]], ref_losses: List[float]) -> float:
+    """The largest relative difference of a run's per-step losses from a reference run's: the
+    parity figure the multi-rank benchmarks print and check."""
+    return max(abs(h["loss"] - r) / abs(r) for h, r in zip(history, ref_losses))
 
 
 def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
