@@ -106,6 +106,8 @@ def _commands(body: list[str]) -> list[str]:
         if cur.strip() and not cur.strip().startswith("#"):
             cmds.append(cur.strip())
         cur = ""
+    if heredoc is not None:  # bash would run nothing after it: say so instead of passing
+        raise ValueError(f"here-document {heredoc!r} is never closed: {cur.splitlines()[0]!r}")
     return cmds
 
 

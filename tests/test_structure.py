@@ -5,6 +5,8 @@ lines and no function over 80."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 from conftest import REPO
@@ -112,3 +114,13 @@ def test_module_and_function_sizes():
                 if length > MAX_FUNCTION_LINES:
                     big_functions.append(f"{name}.{node.name}: {length}")
     assert big_modules == [] and big_functions == []
+
+
+def test_no_merge_conflict_markers_in_tracked_files():
+    """A conflict left in a README block once hid four benchmark commands from the README test."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    marker = re.compile(r"^(<{7}|>{7})( |$)|^={7}$", re.M)
+    hits = [f for f in files if (REPO / f).is_file() and (REPO / f).stat().st_size < 2_000_000
+            and marker.search((REPO / f).read_text(errors="ignore"))]
+    assert not hits, f"merge conflict markers in {hits}"
