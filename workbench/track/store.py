@@ -4,7 +4,8 @@
   touching one new file at once each run the migration and all but one die with
   `table _alembic_tmp_latest_metrics already exists`; `client()` therefore holds an inter-process
   file lock beside the file around that first touch, so whoever comes first creates the store and
-  the others find it made.
+  the others find it made. The creation itself is a copy of a cached empty schema when one can be
+  made (`sqlite_template`), which spares every new store MLflow's migrations.
 - A tracking server (http/https) that does not answer is bad input at start: one line naming
   tracking.uri and exit 2, before anything is recorded or submitted (MLflow's own client would
   retry for minutes and end in a traceback).
@@ -25,6 +26,7 @@ from typing import Any
 
 from workbench.cli import InputError
 from workbench.config import ConfigError, RunConfig
+from workbench.track.sqlite_template import seed
 
 SERVER_COMMAND = "python -m workbench.track.server start"
 _warned: set[str] = set()  # warnings already printed by this process
@@ -86,6 +88,7 @@ def client(uri: str, create: bool = True) -> Any:
         return MlflowClient(tracking_uri=uri)
     with tracking_errors(uri), creation_lock(uri):
         if not _made(uri):  # made by whoever held the lock before: nothing left to do here
+            seed(sqlite_path(uri))  # a migrated empty schema, when one is cached for this MLflow
             c = MlflowClient(tracking_uri=uri)  # builds the store: creates and migrates it
             c.search_experiments(max_results=1)
             Path(f"{sqlite_path(uri)}.lock").write_text(_made_stamp())
