@@ -14,6 +14,9 @@ import pytest
 from conftest import FAST
 
 
+N_RUNS = 8  # more than the cores, so that the processes truly overlap
+
+
 def closed_port() -> int:
     """A localhost port nothing listens on (bound, then released)."""
     with socket.socket() as s:
@@ -78,17 +81,21 @@ def test_sqlite_from_several_nodes_warns_once(workdir, capsys):
 
 
 @pytest.mark.slow
-def test_16_runs_started_at_once_into_a_new_sqlite_store_all_finish(workdir):
+def test_runs_started_at_once_into_a_new_sqlite_store_all_finish(workdir):
     """Each process would otherwise run MLflow's schema migration on the fresh file at the same
-    moment, and all but one die (`table _alembic_tmp_latest_metrics already exists`)."""
+    moment, and all but one die (`table _alembic_tmp_latest_metrics already exists`). The cached
+    empty schema the store is copied from is removed first, so they also race to build that."""
+    from workbench.track.sqlite_template import template_path
+
     assert not (workdir / "mlflow.db").exists()
+    template_path().unlink(missing_ok=True)
     args = ["train.steps=1", "train.eval_every=1", "train.eval_batches=1", "train.warmup_steps=0",
             "train.global_batch=2", "train.micro_batch=2", "data.max_bytes=1000000",
             "train.threads=1"]
     procs = [subprocess.Popen([sys.executable, "-m", "workbench.run", *args,
                                f"train.run_dir=runs/r{i}"], cwd=workdir, env=os.environ.copy(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(16)]
+             for i in range(N_RUNS)]
     outs = [p.communicate(timeout=1200)[0] for p in procs]
     failed = [(i, out[-400:]) for i, (p, out) in enumerate(zip(procs, outs)) if p.returncode]
     assert not failed, failed
@@ -96,7 +103,7 @@ def test_16_runs_started_at_once_into_a_new_sqlite_store_all_finish(workdir):
 
     client = MlflowClient()
     runs = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
-    assert len(runs) == 16 and {r.info.status for r in runs} == {"FINISHED"}
+    assert len(runs) == N_RUNS and {r.info.status for r in runs} == {"FINISHED"}
     assert {r.data.params["train.threads"] for r in runs} == {"1"}
 
 

@@ -37,7 +37,7 @@ SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1",
                "train.eval_batches=1"]
 STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (conftest.FAST)
 SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
-    "benchmarks/loop_overhead.py": ["--steps", "8", "--trials", "1"],  # > its 5 warm-up steps
+    "benchmarks/loop_overhead.py": ["--steps", "6", "--trials", "1"],  # > its 5 warm-up steps
     "benchmarks/parallel_cpu.py": ["--steps", "2"],
     "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
                                   "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut

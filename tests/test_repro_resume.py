@@ -61,8 +61,11 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240) -> Non
 
 
 def test_sigkill_then_restart_resumes_bitwise_without_duplicate_steps(workdir):
-    args = LONGER + ["train.steps=40", "train.ckpt_every=10", "train.global_batch=16",
-                     "train.micro_batch=8"]
+    # Two micro-batches per step (the accumulation resumes too); evaluation kept to one batch at
+    # the checkpoints, where the kill and the resume happen.
+    args = [o for o in LONGER if not o.startswith("train.eval_every")] + [
+        "train.steps=40", "train.ckpt_every=10", "train.global_batch=16", "train.micro_batch=8",
+        "train.eval_every=10", "train.eval_batches=1"]
     # The uninterrupted reference run.
     assert cli("workbench.run", args + [f"train.run_dir={workdir / 'ref'}"], workdir) \
         .returncode == 0
