@@ -81,13 +81,20 @@ class Coefficients:
     # Transformer Engine) elem_traffic stands for: fusion keeps intermediate tensors of
     # norm/activation/rope chains in registers.
     compile_elem_factor: float = 0.5
-    # The same for PyTorch eager (torchtitan without torch.compile): one kernel per op, and the
-    # Llama reference code upcasts to FP32 inside RMSNorm (float, pow, mean, mul, type_as, *w:
-    # ~36 bytes per element vs ~6 fused) and RoPE (float, complex mul, type_as: ~20 vs ~4), and
-    # runs SiLU, the gate multiply and the residual adds as separate kernels. Counting bytes per
-    # token of a Llama-3 8B block gives ~149h forward (~3x that fwd+bwd) against the ~68h of
-    # fused kernels this model's elem_traffic stands for: ~2.2x.
-    eager_elem_factor: float = 2.2
+    # The same for PyTorch eager (torchtitan without torch.compile; Aleph Alpha scaling without
+    # its RMS kernel): one kernel per op. Split in two, because the two groups scale differently
+    # with TP: the replicated tensors (2 norm inputs, 2 residual adds: `rep`, not divided by TP
+    # without SP) and the TP-split ones (SiLU, gate multiply, RoPE: `split`). Bytes per token of
+    # a Llama-3 8B block, forward: fused kernels move ~16h on `rep` (RMSNorm read 2 + write 2,
+    # residual add 6, per element) and ~52h on `split` (68h together, what elem_traffic stands
+    # for). Eager, the Llama reference RMSNorm (float, pow, mean, mul, type_as, *w) moves ~36
+    # bytes per element, so `rep` is 2 x 36h + 2 x 6h = 84h: 5.25x; the rest of the ~149h eager
+    # total (65h) on `split`: 1.25x. (Aleph Alpha's RMSNorm skips the first upcast but adds a
+    # float/type_as round trip after the normalization: ~26 bytes per element, 64h, 4.0x.)
+    # Until 2026-12 one factor (2.2) covered both, which left the eager norms' cost too small at
+    # high TP, where the split part shrinks and the replicated part does not.
+    eager_elem_factor: float = 1.25
+    eager_rep_factor: float = 5.25
     # Fraction of data-parallel communication hidden behind compute when the stack overlaps it
     # (bucketed all-reduce / FSDP prefetch; PyTorch DDP paper reports most of it hidden).
     dp_overlap: float = 0.85

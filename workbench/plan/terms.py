@@ -114,7 +114,8 @@ class Setup:
     sel_attn: np.ndarray  # 1 where only the attention core is recomputed
     peak: float  # dense FLOP/s in the compute precision
     hbm: float  # achieved HBM bytes/s
-    traffic: float  # elementwise HBM round trips per stored activation byte
+    traffic: float  # elementwise HBM round trips per stored activation byte (TP-split part)
+    traffic_rep: float  # the same for the replicated part (norms, residual adds)
 
 
 def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns) -> Setup:
@@ -124,6 +125,8 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
     traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
                                  else co.eager_elem_factor if sw.eager else 1.0)
+    traffic_rep = co.elem_traffic * (co.compile_elem_factor if sw.compiled
+                                     else co.eager_rep_factor if sw.eager else 1.0)
     cp_shard = a["cp"] if sw.cp_shards_params else 1.0
     return Setup(a=a, dps=a["dps"] * cp_shard, dpr=a["dpr"] * (a["cp"] / cp_shard), tok=tok,
                  ls=ls, ranks=ranks,
@@ -132,7 +135,8 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
                  act=activation_bytes_per_token(ms, sw, a["tp"], a["sp"]), full_frac=full_frac,
                  sel_attn=sel_attn,
                  peak=hw.peak_fp32_flops if sw.precision == "fp32" else hw.peak_bf16_flops,
-                 hbm=hw.hbm_bw_bytes_per_s * co.hbm_eff, traffic=traffic)
+                 hbm=hw.hbm_bw_bytes_per_s * co.hbm_eff, traffic=traffic,
+                 traffic_rep=traffic_rep)
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,7 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
         attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
             + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
     act = x.act
-    elem_f = x.traffic * tok * (act["rep"] + act["split"] + act["quad"]) / hbm
+    elem_f = tok * (x.traffic_rep * act["rep"] + x.traffic * (act["split"] + act["quad"])) / hbm
     if sw.precision == "fp8" and sw.fp8_scaling == "rowwise":  # per-operand amax + cast kernels
         elem_f = elem_f + co.fp8_rowwise_cast_bytes * tok * fp8_operand_elems(ms, tp) / hbm
     head_f = 2 * tok * float(ms.hidden) * ms.vocab / tp / (
