@@ -123,10 +123,9 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
     ranks = stages.rank_layers(ms.n_layers, a["pp"], a["v"], a["lf"], a["ll"], a["lm"])
     ls = np.maximum(np.maximum(ranks[0], ranks[1]), ranks[2])
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
-    traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
-                                 else co.eager_elem_factor if sw.eager else 1.0)
-    traffic_rep = co.elem_traffic * (co.compile_elem_factor if sw.compiled
-                                     else co.eager_rep_factor if sw.eager else 1.0)
+    traffic, traffic_rep = (co.elem_traffic * (co.compile_elem_factor if sw.compiled else f
+                                               if sw.eager else 1.0)
+                            for f in (co.eager_elem_factor, co.eager_rep_factor))
     cp_shard = a["cp"] if sw.cp_shards_params else 1.0
     return Setup(a=a, dps=a["dps"] * cp_shard, dpr=a["dpr"] * (a["cp"] / cp_shard), tok=tok,
                  ls=ls, ranks=ranks,
