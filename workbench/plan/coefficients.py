@@ -25,6 +25,14 @@ class Coefficients:
     # GEMM dimension (rows or columns per rank) at which that fraction halves: tensor-core tiles
     # are 128-256 wide, so a dimension of a few tens wastes most of a tile (wave quantization).
     mm_dim_half: float = 40.0
+    # 1: count the tile and wave quantization of the GEMM library exactly (workbench.plan.
+    # gemm_tiles: 256x128 output tiles in waves of one per SM, on GPUs with a known SM count)
+    # instead of the smooth mm_dim_half curve; 0: the smooth curve. On for Ampere, whose cuBLAS
+    # launches one thread block per tile. Off for Hopper: its cuBLAS runs persistent,
+    # warp-specialized kernels whose tile schedulers reorder and split the last wave's work (the
+    # CUTLASS 3 Hopper kernels), and counting Ampere-style waves at 132 SMs makes the dgxc H100
+    # rows, already predicted 4-11% too slow, 2 points worse. A byte/tile count, set by no row.
+    gemm_tile_waves: float = 1.0
     # Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it executes
     # (FlashAttention-2 paper: ~190/312 on A100 fwd+bwd; ~350-450/989 on H100 in torch SDPA).
     flash_eff: float = 0.6
@@ -142,13 +150,17 @@ _BY_GPU: dict[str, dict[str, float]] = {
     # head dim 128, i.e. ~0.33 of 989 (the 500 W part: x0.85, see below).
     # H100 SXM: sustained ~650 of 989 TFLOP/s on large BF16 GEMMs under training load (clocks
     # settle well under the 1.98 GHz boost; public GEMM benchmarks give 600-720).
-    "H100": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8},
-    "H100-PCIE": {"mm_eff_max": 0.62, "flash_eff": 0.42, "link_eff_intra": 0.8},
+    "H100": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8,
+             "gemm_tile_waves": 0.0},
+    "H100-PCIE": {"mm_eff_max": 0.62, "flash_eff": 0.42, "link_eff_intra": 0.8,
+                  "gemm_tile_waves": 0.0},
     # 500 W cap (torchtitan Grand Teton): clocks scale ~ sqrt(power) near the top of the DVFS
     # curve, (500/700)^0.5 = 0.85 of the 700 W part.
-    "H100-CAPPED": {"mm_eff_max": 0.56, "flash_eff": 0.28, "link_eff_intra": 0.8},
+    "H100-CAPPED": {"mm_eff_max": 0.56, "flash_eff": 0.28, "link_eff_intra": 0.8,
+                    "gemm_tile_waves": 0.0},
     # H200: the H100 die with faster HBM; same compute clocks.
-    "H200": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8},
+    "H200": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8,
+             "gemm_tile_waves": 0.0},
 }
 
 

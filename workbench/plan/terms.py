@@ -20,10 +20,11 @@ import numpy as np
 from workbench.plan import stages
 from workbench.plan.coefficients import Coefficients
 from workbench.plan.columns import Columns, Schedule
+from workbench.plan.gemm_tiles import tile_fill
 from workbench.plan.hardware import GpuSpec
 from workbench.plan.memory_terms import activation_bytes_per_token, state_bytes_per_param
 from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
-from workbench.plan.shapes import Linear, ModelShape
+from workbench.plan.shapes import Linear, ModelShape, fp8_operand_elems
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
 
 Arrays = dict[str, np.ndarray]
@@ -87,16 +88,6 @@ def ring_attention_factor(cp: np.ndarray, s: float, sw: Software, co: Coefficien
     return np.where(cp > 1, kernel * imbalance, 1.0)
 
 
-def fp8_operand_elems(ms: ModelShape, tp: np.ndarray) -> np.ndarray:
-    """Elements per token of every FP8 linear's input and output(-gradient) on one TP rank:
-    what rowwise scaling reads, reduces and casts once per pass (column-parallel linears see
-    the gathered input, row-parallel ones the full output before its reduce-scatter)."""
-    total = 0.0
-    for m, n, col in ms.dense:
-        total = total + (m + n / tp if col else m / tp + n)
-    return total
-
-
 @dataclass(frozen=True)
 class Setup:
     """What every part reads: the layout columns and what they imply on one rank."""
@@ -113,6 +104,7 @@ class Setup:
     full_frac: np.ndarray  # share of layers fully recomputed (recompute_fractions)
     sel_attn: np.ndarray  # 1 where only the attention core is recomputed
     peak: float  # dense FLOP/s in the compute precision
+    sms: float  # SMs GEMM tiles are quantized over (0: the smooth mm_dim_half curve instead)
     hbm: float  # achieved HBM bytes/s
     traffic: float  # elementwise HBM round trips per stored activation byte (TP-split part)
     traffic_rep: float  # the same for the replicated part (norms, residual adds)
@@ -134,6 +126,7 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
                  act=activation_bytes_per_token(ms, sw, a["tp"], a["sp"]), full_frac=full_frac,
                  sel_attn=sel_attn,
                  peak=hw.peak_fp32_flops if sw.precision == "fp32" else hw.peak_bf16_flops,
+                 sms=hw.sm_count * (co.gemm_tile_waves > 0),
                  hbm=hw.hbm_bw_bytes_per_s * co.hbm_eff, traffic=traffic,
                  traffic_rep=traffic_rep)
 
@@ -168,8 +161,9 @@ def _gemm_s(linears: tuple[Linear, ...], x: Setup, co: Coefficients, sw: Softwar
     t = 0.0
     for m, n, col in linears:
         m_l, n_l = (m, n / tp) if col else (m / tp, n)
-        local = np.minimum(m_l, n_l)
-        eff = co.mm_eff_max * x.g_tok * _g(local, co.mm_dim_half) * mm_speed
+        fill = tile_fill(tok, n_l, x.sms) if x.sms else x.g_tok * _g(np.minimum(m_l, n_l),
+                                                                        co.mm_dim_half)
+        eff = co.mm_eff_max * fill * mm_speed
         compute = 2.0 * tok * m_l * n_l / (x.peak * eff)
         stream = (op_bytes * (tok * m_l + m_l * n_l) + e * tok * n_l) / x.hbm
         t = t + np.maximum(compute, stream)
