@@ -1,10 +1,12 @@
-"""GEMM tile/wave quantization (Ampere) and the eager-norm split: what each costs by counting.
+"""Ampere GEMM tile/wave quantization, the eager-norm split and FlashAttention 1 rows: what each
 
 The expected numbers are tile and byte counts, not fitted figures, so a coefficient change
 does not break them; a change to what is counted does.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -74,3 +76,20 @@ def test_hagemann_rows_carry_the_codes_uniform_pipeline_split() -> None:
     row = next(r for r in rows if r["pp"] == "2" and r["n_layers"] == "40")
     assert row["stage_layers"] == "21-19"  # embedding + 21 layers | 19 layers + norm + head
     assert row_case(row).layout.stage_layers == (21, 19)
+
+
+def test_flash_attention_1_rows_run_the_attention_core_at_half_the_fa2_rate() -> None:
+    from workbench.plan.validate import _software
+
+    v1 = _software("BF16", "kernel flash_attentionv1.0.8; dp-sync-in-step", "ZeRO-1")
+    v2 = _software("BF16", "kernel flash_attention2; dp-sync-in-step", "ZeRO-1")
+    assert v1.flash_v1 and not v2.flash_v1
+    lay = Layout(dp_replicate=1, tp=1, micro_batch=1, grad_accum=1)
+    train = TrainConfig(global_batch=1, micro_batch=1, dtype="bf16")
+    t1, t2 = (estimate(MODEL, cluster_for("A100-SXM-80GB", 1), train, lay,
+                       software=replace(v2, flash_v1=f)).time_s["time_fwd_s"]
+              for f in (True, False))
+    # only the attention core changes: 8 layers x 2 x (s^2/2 causal x q_width) FLOPs at flash_eff
+    co = defaults_for("A100-SXM-80GB")
+    attn_s = 8 * 0.5 * 4.0 * 2048 * 2048 * 5120 / (312e12 * co.flash_eff)
+    assert t1 - t2 == pytest.approx(attn_s * (1 / co.flash1_rel_speed - 1), rel=1e-6)

@@ -36,6 +36,10 @@ class Coefficients:
     # Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it executes
     # (FlashAttention-2 paper: ~190/312 on A100 fwd+bwd; ~350-450/989 on H100 in torch SDPA).
     flash_eff: float = 0.6
+    # FlashAttention 1.x throughput relative to FlashAttention-2 on the same GPU: FA2 splits work
+    # over the sequence as well as batch x heads and cuts non-matmul FLOPs, "around 2x speedup
+    # compared to FlashAttention" on A100 (Dao 2023, arXiv 2307.08691, abstract and Fig. 4-5).
+    flash1_rel_speed: float = 0.5
     # Achieved fraction of HBM bandwidth in memory-bound kernels (STREAM-like copies reach 80-90%).
     hbm_eff: float = 0.8
     # HBM bytes moved by non-GEMM kernels (norms, activations, dropout, softmax, residual adds)

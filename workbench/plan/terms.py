@@ -180,7 +180,8 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
         mm_f = mm_f + _gemm_s(ms.lowrank, x, co, sw) * f_lr
     attn_flops = 4.0 * tok * s * ms.q_width / tp  # counted without the causal saving
     if sw.flash_attention:  # the causal mask lets a fused kernel skip half the tiles
-        attn_f = 0.5 * attn_flops / (peak * co.flash_eff)
+        attn_f = 0.5 * attn_flops / (peak * co.flash_eff
+                                     * (co.flash1_rel_speed if sw.flash_v1 else 1.0))
     else:  # batched GEMMs with K = head_dim
         attn_f = attn_flops / (peak * co.mm_eff_max * x.g_tok * _g(ms.head_dim, co.mm_dim_half))
     if not sw.cp_allgather:
