@@ -1,4 +1,5 @@
 """Ampere GEMM tile/wave quantization, the eager-norm split and FlashAttention 1 rows: what each
+costs, by counting.
 
 The expected numbers are tile and byte counts, not fitted figures, so a coefficient change
 does not break them; a change to what is counted does.
