@@ -25,9 +25,21 @@ class Coefficients:
     # GEMM dimension (rows or columns per rank) at which that fraction halves: tensor-core tiles
     # are 128-256 wide, so a dimension of a few tens wastes most of a tile (wave quantization).
     mm_dim_half: float = 40.0
+    # 1: count the tile and wave quantization of the GEMM library exactly (workbench.plan.
+    # gemm_tiles: 256x128 output tiles in waves of one per SM, on GPUs with a known SM count)
+    # instead of the smooth mm_dim_half curve; 0: the smooth curve. On for Ampere, whose cuBLAS
+    # launches one thread block per tile. Off for Hopper: its cuBLAS runs persistent,
+    # warp-specialized kernels whose tile schedulers reorder and split the last wave's work (the
+    # CUTLASS 3 Hopper kernels), and counting Ampere-style waves at 132 SMs makes the dgxc H100
+    # rows, already predicted 4-11% too slow, 2 points worse. A byte/tile count, set by no row.
+    gemm_tile_waves: float = 1.0
     # Fraction of peak a fused (flash) attention kernel reaches on the FLOPs it executes
     # (FlashAttention-2 paper: ~190/312 on A100 fwd+bwd; ~350-450/989 on H100 in torch SDPA).
     flash_eff: float = 0.6
+    # FlashAttention 1.x throughput relative to FlashAttention-2 on the same GPU: FA2 splits work
+    # over the sequence as well as batch x heads and cuts non-matmul FLOPs, "around 2x speedup
+    # compared to FlashAttention" on A100 (Dao 2023, arXiv 2307.08691, abstract and Fig. 4-5).
+    flash1_rel_speed: float = 0.5
     # Achieved fraction of HBM bandwidth in memory-bound kernels (STREAM-like copies reach 80-90%).
     hbm_eff: float = 0.8
     # HBM bytes moved by non-GEMM kernels (norms, activations, dropout, softmax, residual adds)
@@ -81,13 +93,20 @@ class Coefficients:
     # Transformer Engine) elem_traffic stands for: fusion keeps intermediate tensors of
     # norm/activation/rope chains in registers.
     compile_elem_factor: float = 0.5
-    # The same for PyTorch eager (torchtitan without torch.compile): one kernel per op, and the
-    # Llama reference code upcasts to FP32 inside RMSNorm (float, pow, mean, mul, type_as, *w:
-    # ~36 bytes per element vs ~6 fused) and RoPE (float, complex mul, type_as: ~20 vs ~4), and
-    # runs SiLU, the gate multiply and the residual adds as separate kernels. Counting bytes per
-    # token of a Llama-3 8B block gives ~149h forward (~3x that fwd+bwd) against the ~68h of
-    # fused kernels this model's elem_traffic stands for: ~2.2x.
-    eager_elem_factor: float = 2.2
+    # The same for PyTorch eager (torchtitan without torch.compile; Aleph Alpha scaling without
+    # its RMS kernel): one kernel per op. Split in two, because the two groups scale differently
+    # with TP: the replicated tensors (2 norm inputs, 2 residual adds: `rep`, not divided by TP
+    # without SP) and the TP-split ones (SiLU, gate multiply, RoPE: `split`). Bytes per token of
+    # a Llama-3 8B block, forward: fused kernels move ~16h on `rep` (RMSNorm read 2 + write 2,
+    # residual add 6, per element) and ~52h on `split` (68h together, what elem_traffic stands
+    # for). Eager, the Llama reference RMSNorm (float, pow, mean, mul, type_as, *w) moves ~36
+    # bytes per element, so `rep` is 2 x 36h + 2 x 6h = 84h: 5.25x; the rest of the ~149h eager
+    # total (65h) on `split`: 1.25x. (Aleph Alpha's RMSNorm skips the first upcast but adds a
+    # float/type_as round trip after the normalization: ~26 bytes per element, 64h, 4.0x.)
+    # Until 2026-12 one factor (2.2) covered both, which left the eager norms' cost too small at
+    # high TP, where the split part shrinks and the replicated part does not.
+    eager_elem_factor: float = 1.25
+    eager_rep_factor: float = 5.25
     # Fraction of data-parallel communication hidden behind compute when the stack overlaps it
     # (bucketed all-reduce / FSDP prefetch; PyTorch DDP paper reports most of it hidden).
     dp_overlap: float = 0.85
@@ -135,13 +154,17 @@ _BY_GPU: dict[str, dict[str, float]] = {
     # head dim 128, i.e. ~0.33 of 989 (the 500 W part: x0.85, see below).
     # H100 SXM: sustained ~650 of 989 TFLOP/s on large BF16 GEMMs under training load (clocks
     # settle well under the 1.98 GHz boost; public GEMM benchmarks give 600-720).
-    "H100": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8},
-    "H100-PCIE": {"mm_eff_max": 0.62, "flash_eff": 0.42, "link_eff_intra": 0.8},
+    "H100": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8,
+             "gemm_tile_waves": 0.0},
+    "H100-PCIE": {"mm_eff_max": 0.62, "flash_eff": 0.42, "link_eff_intra": 0.8,
+                  "gemm_tile_waves": 0.0},
     # 500 W cap (torchtitan Grand Teton): clocks scale ~ sqrt(power) near the top of the DVFS
     # curve, (500/700)^0.5 = 0.85 of the 700 W part.
-    "H100-CAPPED": {"mm_eff_max": 0.56, "flash_eff": 0.28, "link_eff_intra": 0.8},
+    "H100-CAPPED": {"mm_eff_max": 0.56, "flash_eff": 0.28, "link_eff_intra": 0.8,
+                    "gemm_tile_waves": 0.0},
     # H200: the H100 die with faster HBM; same compute clocks.
-    "H200": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8},
+    "H200": {"mm_eff_max": 0.66, "flash_eff": 0.33, "link_eff_intra": 0.8,
+             "gemm_tile_waves": 0.0},
 }
 
 

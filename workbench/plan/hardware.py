@@ -30,30 +30,32 @@ class GpuSpec:
     inter_node_gbps: float  # GB/s one direction per device (its NIC share)
     gpus_per_node: int = 8
     power_capped: bool = False  # runs below its datasheet TDP: sustained clocks are lower
+    sm_count: int = 0  # streaming multiprocessors (GEMM wave quantization); 0: not modelled
 
 
 # Sources: NVIDIA A100 datasheet (312 TFLOP/s BF16, 19.5 FP32; 40GB 1,555 GB/s, 80GB 2,039 GB/s;
 # NVLink3 600 GB/s bidirectional); H100 datasheet (SXM5 989 TFLOP/s BF16, 1,979 FP8, 67 FP32,
 # 3.35 TB/s HBM3, NVLink4 900 GB/s bidirectional; PCIe 756 / 1,513 TFLOP/s, 2.0 TB/s, PCIe Gen5
 # 64 GB/s one way); H200 datasheet (989 BF16, 141 GB at 4.8 TB/s). NICs: HDR IB 200 Gb/s = 25 GB/s
-# and NDR 400 Gb/s = 50 GB/s per GPU (one NIC per GPU in DGX / Grand Teton nodes).
+# and NDR 400 Gb/s = 50 GB/s per GPU (one NIC per GPU in DGX / Grand Teton nodes). SMs: A100 108,
+# H100 SXM 132 and PCIe 114 (the A100 and H100 whitepapers); V100/T4 left 0 (not checked).
 GPUS: dict[str, GpuSpec] = {
     "A100-SXM-40GB": GpuSpec("A100-SXM-40GB", 312e12, 0.0, 19.5e12, 40 * GIB, 1.555e12,
-                             300.0, 25.0),
+                             300.0, 25.0, sm_count=108),
     "A100-SXM-80GB": GpuSpec("A100-SXM-80GB", 312e12, 0.0, 19.5e12, 80 * GIB, 2.039e12,
-                             300.0, 25.0),
+                             300.0, 25.0, sm_count=108),
     "H100-SXM-80GB": GpuSpec("H100-SXM-80GB", 989e12, 1979e12, 67e12, 80 * GIB, 3.35e12,
-                             450.0, 50.0),
+                             450.0, 50.0, sm_count=132),
     "H100-PCIe-80GB": GpuSpec("H100-PCIe-80GB", 756e12, 1513e12, 51e12, 80 * GIB, 2.0e12,
-                              64.0, 50.0),
+                              64.0, 50.0, sm_count=114),
     # Meta Grand Teton H100 with 96GB HBM2e run at 500 W (torchtitan benchmarks): SXM peak
     # figures, but power-capped, so the achieved-peak coefficient defaults lower. Its memory is
     # HBM2e at 2.4 TB/s, not the 80GB part's HBM3 at 3.35 TB/s (torchtitan
     # benchmarks/llama3_h100_202412_torchtitan.md and asyncTP_llama3_h100_2025-06, "Hardware").
     "H100-SXM-96GB": GpuSpec("H100-SXM-96GB", 989e12, 1979e12, 67e12, 96 * GIB, 2.4e12,
-                             450.0, 50.0, power_capped=True),
+                             450.0, 50.0, power_capped=True, sm_count=132),
     "H200-SXM-141GB": GpuSpec("H200-SXM-141GB", 989e12, 1979e12, 67e12, 141e9, 4.8e12,
-                              450.0, 50.0),
+                              450.0, 50.0, sm_count=132),
     # Older pools of mixed clusters (AMP's AWS experiments): V100 SXM2 datasheet (125 TFLOP/s
     # FP16 tensor, 15.7 FP32, 16 GB HBM2 at 900 GB/s, NVLink2 300 GB/s bidirectional); T4
     # datasheet (65 TFLOP/s FP16 tensor, 8.1 FP32, 16 GB GDDR6 at 320 GB/s, PCIe Gen3 x16
@@ -99,13 +101,14 @@ def spec_of_cluster(cluster: ClusterConfig) -> tuple[GpuSpec, float]:
     try:
         fp8 = match_gpu(cluster.gpu).peak_fp8_flops
         capped = match_gpu(cluster.gpu).power_capped
+        sms = match_gpu(cluster.gpu).sm_count
     except KeyError:
-        fp8, capped = 0.0, False
+        fp8, capped, sms = 0.0, False, 0
     peak16 = float(cluster.peak_bf16_flops)
     spec = GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
                    float(cluster.hbm_bytes), float(cluster.hbm_bw_bytes_per_s),
                    float(cluster.intra_node_gbps), float(cluster.inter_node_gbps),
-                   int(cluster.gpus_per_node), capped)
+                   int(cluster.gpus_per_node), capped, sms)
     return spec, spec.peak_fp8_flops
 
 

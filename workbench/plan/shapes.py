@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from workbench.config import LowRankConfig, ModelConfig
 
 # (rows m, cols n, column_parallel) of each linear in a block; column-parallel linears are split
@@ -101,3 +103,13 @@ def model_shape(model: ModelConfig, lowrank: LowRankConfig | None = None,
         dp_ratio = sum(min(m * n, r * (m + n)) for m, n, _ in dense) / dense_n
     return ModelShape(model.n_layers, h, q, kv, f, model.vocab, s, model.n_heads, hd, gated,
                       dense, lr, n_lr, norms + bias, embed, head, dp_ratio)
+
+
+def fp8_operand_elems(ms: ModelShape, tp: np.ndarray) -> np.ndarray:
+    """Elements per token of every FP8 linear's input and output(-gradient) on one TP rank:
+    what rowwise scaling reads, reduces and casts once per pass (column-parallel linears see
+    the gathered input, row-parallel ones the full output before its reduce-scatter)."""
+    total = 0.0
+    for m, n, col in ms.dense:
+        total = total + (m + n / tp if col else m / tp + n)
+    return total

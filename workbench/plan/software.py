@@ -89,6 +89,10 @@ class Software:
     # logits are alive beside the fp32 ones. False: a vocab-parallel loss (Megatron, torchtitan).
     gathered_logits: bool = False
 
+    # FlashAttention 1.x kernels rather than FlashAttention-2 (Hagemann et al.'s
+    # "flash_attentionv1.0.8" rows): see Coefficients.flash1_rel_speed.
+    flash_v1: bool = False
+
     @property
     def act_bytes(self) -> float:
         return 4.0 if self.precision == "fp32" else 2.0

@@ -20,10 +20,11 @@ import numpy as np
 from workbench.plan import stages
 from workbench.plan.coefficients import Coefficients
 from workbench.plan.columns import Columns, Schedule
+from workbench.plan.gemm_tiles import tile_fill
 from workbench.plan.hardware import GpuSpec
 from workbench.plan.memory_terms import activation_bytes_per_token, state_bytes_per_param
 from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
-from workbench.plan.shapes import Linear, ModelShape
+from workbench.plan.shapes import Linear, ModelShape, fp8_operand_elems
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
 
 Arrays = dict[str, np.ndarray]
@@ -87,16 +88,6 @@ def ring_attention_factor(cp: np.ndarray, s: float, sw: Software, co: Coefficien
     return np.where(cp > 1, kernel * imbalance, 1.0)
 
 
-def fp8_operand_elems(ms: ModelShape, tp: np.ndarray) -> np.ndarray:
-    """Elements per token of every FP8 linear's input and output(-gradient) on one TP rank:
-    what rowwise scaling reads, reduces and casts once per pass (column-parallel linears see
-    the gathered input, row-parallel ones the full output before its reduce-scatter)."""
-    total = 0.0
-    for m, n, col in ms.dense:
-        total = total + (m + n / tp if col else m / tp + n)
-    return total
-
-
 @dataclass(frozen=True)
 class Setup:
     """What every part reads: the layout columns and what they imply on one rank."""
@@ -113,8 +104,10 @@ class Setup:
     full_frac: np.ndarray  # share of layers fully recomputed (recompute_fractions)
     sel_attn: np.ndarray  # 1 where only the attention core is recomputed
     peak: float  # dense FLOP/s in the compute precision
+    sms: float  # SMs GEMM tiles are quantized over (0: the smooth mm_dim_half curve instead)
     hbm: float  # achieved HBM bytes/s
-    traffic: float  # elementwise HBM round trips per stored activation byte
+    traffic: float  # elementwise HBM round trips per stored activation byte (TP-split part)
+    traffic_rep: float  # the same for the replicated part (norms, residual adds)
 
 
 def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns) -> Setup:
@@ -122,8 +115,9 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
     ranks = stages.rank_layers(ms.n_layers, a["pp"], a["v"], a["lf"], a["ll"], a["lm"])
     ls = np.maximum(np.maximum(ranks[0], ranks[1]), ranks[2])
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
-    traffic = co.elem_traffic * (co.compile_elem_factor if sw.compiled
-                                 else co.eager_elem_factor if sw.eager else 1.0)
+    traffic, traffic_rep = (co.elem_traffic * (co.compile_elem_factor if sw.compiled else f
+                                               if sw.eager else 1.0)
+                            for f in (co.eager_elem_factor, co.eager_rep_factor))
     cp_shard = a["cp"] if sw.cp_shards_params else 1.0
     return Setup(a=a, dps=a["dps"] * cp_shard, dpr=a["dpr"] * (a["cp"] / cp_shard), tok=tok,
                  ls=ls, ranks=ranks,
@@ -132,7 +126,9 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
                  act=activation_bytes_per_token(ms, sw, a["tp"], a["sp"]), full_frac=full_frac,
                  sel_attn=sel_attn,
                  peak=hw.peak_fp32_flops if sw.precision == "fp32" else hw.peak_bf16_flops,
-                 hbm=hw.hbm_bw_bytes_per_s * co.hbm_eff, traffic=traffic)
+                 sms=hw.sm_count * (co.gemm_tile_waves > 0),
+                 hbm=hw.hbm_bw_bytes_per_s * co.hbm_eff, traffic=traffic,
+                 traffic_rep=traffic_rep)
 
 
 @dataclass(frozen=True)
@@ -165,8 +161,9 @@ def _gemm_s(linears: tuple[Linear, ...], x: Setup, co: Coefficients, sw: Softwar
     t = 0.0
     for m, n, col in linears:
         m_l, n_l = (m, n / tp) if col else (m / tp, n)
-        local = np.minimum(m_l, n_l)
-        eff = co.mm_eff_max * x.g_tok * _g(local, co.mm_dim_half) * mm_speed
+        fill = tile_fill(tok, n_l, x.sms) if x.sms else x.g_tok * _g(np.minimum(m_l, n_l),
+                                                                        co.mm_dim_half)
+        eff = co.mm_eff_max * fill * mm_speed
         compute = 2.0 * tok * m_l * n_l / (x.peak * eff)
         stream = (op_bytes * (tok * m_l + m_l * n_l) + e * tok * n_l) / x.hbm
         t = t + np.maximum(compute, stream)
@@ -183,14 +180,15 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
         mm_f = mm_f + _gemm_s(ms.lowrank, x, co, sw) * f_lr
     attn_flops = 4.0 * tok * s * ms.q_width / tp  # counted without the causal saving
     if sw.flash_attention:  # the causal mask lets a fused kernel skip half the tiles
-        attn_f = 0.5 * attn_flops / (peak * co.flash_eff)
+        attn_f = 0.5 * attn_flops / (peak * co.flash_eff
+                                     * (co.flash1_rel_speed if sw.flash_v1 else 1.0))
     else:  # batched GEMMs with K = head_dim
         attn_f = attn_flops / (peak * co.mm_eff_max * x.g_tok * _g(ms.head_dim, co.mm_dim_half))
     if not sw.cp_allgather:
         attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
             + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
     act = x.act
-    elem_f = x.traffic * tok * (act["rep"] + act["split"] + act["quad"]) / hbm
+    elem_f = tok * (x.traffic_rep * act["rep"] + x.traffic * (act["split"] + act["quad"])) / hbm
     if sw.precision == "fp8" and sw.fp8_scaling == "rowwise":  # per-operand amax + cast kernels
         elem_f = elem_f + co.fp8_rowwise_cast_bytes * tok * fp8_operand_elems(ms, tp) / hbm
     head_f = 2 * tok * float(ms.hidden) * ms.vocab / tp / (

@@ -81,6 +81,7 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
              "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n,
              # K/V all-gathered once per layer (Llama 3 paper, section 3.3.2) instead of a ring
              "cp_allgather": "cpbyall-gather" in n,
+             "flash_v1": "flash_attentionv1" in n,
              "batch_first_sp": torch_fsdp,
              # Megatron-Core / NeMo put CP ranks in the data-parallel group, not a shard group
              "cp_shards_params": torch_fsdp or zero3,
