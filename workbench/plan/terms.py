@@ -332,9 +332,9 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # A compiled block (Inductor's min-cut partitioner) recomputes fused pointwise ops in the
     # backward instead of saving their outputs: the two norm outputs and the SwiGLU product.
     unsaved = (2 * act["input"] + e * ms.ffn_hidden / tp * ms.gated_mlp) if sw.compiled else 0.0
-    per_layer = tok * (act["rep"] + act["split"] + (1 - x.sel_attn) * act["quad"]) \
-        + kv_others - tok * unsaved
-    full_layer = tok * (act["rep"] + act["split"] + act["quad"]) + kv_others
+    per_layer = tok * (act["rep"] + act["split"] + act["unfused"]
+                       + (1 - x.sel_attn) * act["quad"]) + kv_others - tok * unsaved
+    full_layer = tok * (act["rep"] + act["split"] + act["unfused"] + act["quad"]) + kv_others
     stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
     working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
     factor, factor_mid = stages.inflight_per_layer(

@@ -1,0 +1,55 @@
+"""Memory itemization rules of workbench.plan.memory_terms that the published-runs benchmark
+relies on: what an unfused stack keeps for the backward, without changing any time term."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from workbench.cli import compose
+from workbench.layout import Layout
+from workbench.plan.costmodel import estimate
+from workbench.plan.terms import Software
+
+BASE = Software(precision="bf16", flash_attention=True)
+
+
+def _est(sw: Software, lay: Layout):
+    c = compose(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16"])
+    return estimate(c.model, c.cluster, c.train, lay, software=sw)
+
+
+def test_unfused_ops_add_their_saved_tensors_and_no_time() -> None:
+    """An eager RMSNorm keeps its normalized tensor (2 a layer, h wide), an eager SwiGLU one
+    more ffn-wide tensor, eager attention 3 copies of the Q width: exactly those bytes per
+    token, layer and micro-batch in flight are added to the activations, split over TP where
+    the tensor is, and the step time does not move (the unfused kernels' traffic is a time
+    coefficient's business)."""
+    lay = Layout(dp_replicate=8, tp=2, pp=2, micro_batch=1, grad_accum=4)
+    c = compose(["model=llama3_8b"]).model
+    tok, e, tp = c.seq_len, 2.0, 2
+    base = _est(BASE, lay)
+    per_layer_mb = {
+        "unfused_norm": 2 * e * c.hidden,  # no sequence parallel: replicated over TP
+        "unfused_swiglu": e * c.ffn_hidden / tp,
+        "attention_copies": 3 * e * c.hidden / tp,  # q_width == hidden for Llama 3 8B
+    }
+    for flag, extra_per_token in per_layer_mb.items():
+        est = _est(replace(BASE, **{flag: True}), lay)
+        assert est.step_time_s == base.step_time_s, flag
+        added = est.mem_bytes["mem_activations_bytes"] - base.mem_bytes["mem_activations_bytes"]
+        # first stage: 16 layers x 2 micro-batches in flight under 1F1B
+        assert math.isclose(added, extra_per_token * tok * 16 * 2, rel_tol=1e-9), flag
+        assert est.peak_mem_bytes > base.peak_mem_bytes
+
+
+def test_published_stack_notes_set_the_unfused_facts() -> None:
+    """The row reader maps the Aleph Alpha stack's notes to these facts (and only those rows)."""
+    from workbench.plan.validate import _software
+
+    aa = _software("BF16", "dp-sync-in-step; separate-gate-up; eager-elementwise")
+    assert aa.unfused_swiglu and aa.attention_copies and aa.unfused_norm
+    kernel = _software("BF16", "dp-sync-in-step; separate-gate-up")
+    assert kernel.unfused_swiglu and not kernel.unfused_norm
+    titan = _software("BF16", "", "FSDP2")
+    assert not (titan.unfused_swiglu or titan.attention_copies or titan.unfused_norm)
