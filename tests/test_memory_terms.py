@@ -53,3 +53,25 @@ def test_published_stack_notes_set_the_unfused_facts() -> None:
     assert kernel.unfused_swiglu and not kernel.unfused_norm
     titan = _software("BF16", "", "FSDP2")
     assert not (titan.unfused_swiglu or titan.attention_copies or titan.unfused_norm)
+
+
+def test_interleaved_inflight_is_megatrons_warmup_capped_at_all_forwards() -> None:
+    """Rank r of an interleaved 1F1B holds 2 (pp - 1 - r) + (v - 1) N + 1 chunk forwards (N = pp
+    by default), never more than all ga x v of them: Llama 3 405B's pp 16, v 8 with 16
+    micro-batches holds 16 a layer (all forwards), with 32 it holds 143 / 8 on rank 0 and
+    141 / 8 on rank 1; a group N = 8 holds 2 x 15 + 7 x 8 + 1 = 87 chunks on rank 0."""
+    import numpy as np
+
+    from workbench.plan.stages import inflight_per_layer
+
+    def on(pp: float, ga: float, v: float, group: float = 0.0) -> tuple[float, float]:
+        f, s = inflight_per_layer(np.array([pp]), np.array([ga]), np.array([False]),
+                                  np.array([True]), np.array([v]), group)
+        return float(f[0]), float(s[0])
+
+    assert on(16, 16, 8) == (16.0, 16.0)
+    assert on(16, 32, 8) == (143 / 8, 141 / 8)
+    assert on(16, 32, 8, group=8) == (87 / 8, 85 / 8)
+    one_f_one_b, _ = inflight_per_layer(np.array([4.0]), np.array([8.0]), np.array([False]),
+                                        np.array([False]), np.array([1.0]))
+    assert float(one_f_one_b[0]) == 4.0

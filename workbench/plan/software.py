@@ -103,6 +103,11 @@ class Software:
     # rotated Q and K as new tensors; and the attention output is re-laid out by a copy that
     # the output projection saves. 3 more tensors of the Q width than Q, K, V and the output.
     attention_copies: bool = False
+    # Interleaved 1F1B: micro-batches a rank runs on one virtual stage before moving to the next
+    # (N; 0 = pp, Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage default and
+    # torch's ScheduleInterleaved1F1B). Smaller N holds fewer warm-up activations (Llama 3 paper
+    # section 3.3.2 sets N freely; stages.inflight_per_layer).
+    pp_group: int = 0
 
     @property
     def act_bytes(self) -> float:

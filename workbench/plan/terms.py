@@ -338,7 +338,8 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
     working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
     factor, factor_mid = stages.inflight_per_layer(
-        pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv)
+        pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv,
+        float(sw.pp_group))
     # Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do):
     # at the start of the backward three fp32 tensors of the logits' size are alive at once:
     # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
