@@ -75,3 +75,17 @@ def test_interleaved_inflight_is_megatrons_warmup_capped_at_all_forwards() -> No
     one_f_one_b, _ = inflight_per_layer(np.array([4.0]), np.array([8.0]), np.array([False]),
                                         np.array([False]), np.array([1.0]))
     assert float(one_f_one_b[0]) == 4.0
+
+
+def test_explain_names_the_rank_that_peaks_and_its_parts_add_up() -> None:
+    """Llama 3 405B's own layout (16 ranks x 8 virtual stages, one layer each, embedding and
+    head alone on the first and last virtual stage) peaks on a middle rank: it holds 8 layers,
+    the first one 7; --explain says so, and its lines sum to the total."""
+    from workbench.plan.explain import explain, render
+
+    c = compose(["model=llama3_405b", "cluster=h100_8x_ib", "cluster.nodes=2048",
+                 "train.global_batch=2048", "train.dtype=bf16"])
+    key = "dpr1_dps128_tp8_pp16_cp1_sp_mb1_ga16_rc-none_interleaved-1f1b-v8_sl0-1x126-0"
+    x = explain(c.model, c.cluster, c.train, key)
+    assert x.peak_rank == 1 and "middle pipeline stage" in render(x)[1]
+    assert math.isclose(sum(x.memory_bytes.values()), x.peak_bytes, rel_tol=1e-12)

@@ -369,7 +369,7 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
                   "mem_buf_fsdp_bytes": out["mem_buffers_bytes"] - logits_buf - working - p2p_buf,
                   "mem_buf_recompute_layer_bytes": working + 0.0 * tok,
                   "mem_buf_p2p_bytes": p2p_buf, "mem_fragmentation_bytes": co.mem_frag * peak,
-                  "mem_peak_on_last_stage": (rank == 2).astype(np.float64)}
+                  "mem_peak_rank": rank}
 
 
 def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns,
