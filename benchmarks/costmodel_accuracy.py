@@ -194,7 +194,9 @@ def fig_estimate(name: str, mode: str):
     model = ModelConfig(name=name, family="gpt2", n_layers=L, hidden=h, n_heads=a, n_kv_heads=a,
                         ffn_hidden=4 * h, vocab=51200, seq_len=2048, tie_embeddings=True)
     sp, rc = MODES[mode]
-    lay = Layout(tp=tp, pp=pp, sequence_parallel=sp, micro_batch=mb, grad_accum=max(pp, 1),
+    # 2 pp micro-batches: enough that no warm-up is cut short by the step's end (Korthikanti's
+    # first stage holds its full pp of them; their Table 5 runs had many more per step)
+    lay = Layout(tp=tp, pp=pp, sequence_parallel=sp, micro_batch=mb, grad_accum=max(2 * pp, 1),
                  recompute=rc, pp_schedule="interleaved_1f1b" if v > 1 else "1f1b",
                  virtual_stages=v)
     sw = Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=False)
