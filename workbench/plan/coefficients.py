@@ -136,7 +136,13 @@ class Coefficients:
     zero3_overlap: float = 0.5
     # Memory no tensor accounts for: CUDA context, NCCL buffers, cuBLAS workspace (~1-2 GiB).
     mem_fixed_bytes: float = 1.5 * 2**30
-    # Caching-allocator fragmentation, as a fraction of dynamic (activation + buffer) memory.
+    # Caching-allocator fragmentation, as a fraction of dynamic (activation + buffer) memory:
+    # the one allowance `pred_fits` adds to the itemized peak (it compares peak + this + the
+    # fixed bytes with HBM; --explain prints it; --margin-gib adds a stated margin on top).
+    # Checked against torchtitan_2412's published max-reserved memory (16 rows, median 4%; FSDP2
+    # without irregular recompute allocations); GMLake (Guo et al., ASPLOS 2024) measures 15% on
+    # average, up to 33%, for eight LLMs on A100-80GB with recompute/offload/LoRA under
+    # DeepSpeed/FSDP, so stacks with such allocation patterns may need more.
     mem_frag: float = 0.08
 
 

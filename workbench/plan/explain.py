@@ -43,7 +43,7 @@ class Explanation:
     peak_bytes: float
     hbm_bytes: float
     margin_bytes: float
-    peak_on_last_stage: bool
+    peak_rank: int  # the pipeline rank that peaks: 0 first, 1 a middle one, 2 the last
     time_s: dict[str, float]
     step_time_s: float
     mfu: float
@@ -78,14 +78,15 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
     return Explanation(layout=layout, memory_bytes=mem,
                        peak_bytes=float(sum(t[k][0] for k in MEM_TERMS)),
                        hbm_bytes=hw.hbm_bytes, margin_bytes=margin_gib * GIB,
-                       peak_on_last_stage=bool(t["mem_peak_on_last_stage"][0]),
+                       peak_rank=int(t["mem_peak_rank"][0]),
                        time_s={k: float(t[k][0]) for k in TIME_TERMS},
                        step_time_s=est.step_time_s, mfu=est.mfu)
 
 
 def render(x: Explanation) -> list[str]:
     """The lines `--explain` prints."""
-    where = "last pipeline stage (logits)" if x.peak_on_last_stage else "first pipeline stage"
+    where = ("first pipeline stage", "middle pipeline stage",
+             "last pipeline stage (logits)")[x.peak_rank]
     out = [f"layout {x.layout.key()}  ({x.layout.world_size} GPUs)",
            f"peak memory per GPU, on the {where if x.layout.pp > 1 else 'one stage'}:"]
     for label, b in x.memory_bytes.items():

@@ -16,17 +16,36 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
                                ) -> dict[str, np.ndarray]:
     """Korthikanti et al. (2022) itemization per token and layer, generalized to GQA/SwiGLU:
     'rep' is replicated across TP ranks unless sequence parallel, 'split' is divided by TP,
-    'quad' is the s*s attention part (softmax, its dropout) that selective recompute drops."""
+    'quad' is the s*s attention part (softmax, its dropout) that selective recompute drops;
+    'unfused' what unfused norms and SwiGLU keep on top (memory only)."""
     e, h = sw.act_bytes, ms.hidden
     mask = 1.0 if sw.dropout else 0.0
     rep = e * h * 4 + 2 * h * mask  # 2 norm inputs, qkv input, mlp input; 2 dropout masks
     split = e * (2 * ms.q_width + 2 * ms.kv_width) + e * ms.ffn_hidden * (3 if ms.gated_mlp else 2)
+    # Kept only because ops are not fused (memory, not extra HBM traffic: the elementwise time
+    # already counts eager kernels by Coefficients.eager_elem_factor): an unfused RMSNorm's
+    # `normalized * weight` keeps the normalized input beside the norm's input, twice a layer;
+    # an unfused SwiGLU keeps one more ffn-wide tensor (mlp_tensors); Software.attention_copies
+    # three of the Q width.
+    unfused_rep = 2 * e * h if sw.unfused_norm else 0.0
+    unfused_split = e * ms.ffn_hidden * (mlp_tensors(ms, sw) - (3 if ms.gated_mlp else 2)) \
+        + (e * 3 * ms.q_width if sw.attention_copies else 0.0)
     if sw.flash_attention:
         quad = 4.0 * ms.n_heads  # logsumexp statistics only
     else:
         quad = ms.n_heads * ms.seq_len * (e + mask * (1 + e))
     rep_div = np.where(sp > 0, tp, 1.0)
-    return {"rep": rep / rep_div, "split": split / tp, "quad": quad / tp, "input": e * h / rep_div}
+    return {"rep": rep / rep_div, "split": split / tp, "quad": quad / tp, "input": e * h / rep_div,
+            "unfused": unfused_rep / rep_div + unfused_split / tp}
+
+
+def mlp_tensors(ms: ModelShape, sw: Software) -> int:
+    """Tensors of ffn width one layer keeps for the backward: GeLU keeps its input and output
+    (the latter for the down projection); a fused SwiGLU keeps gate, up and their product;
+    `silu(x) * gate` as eager ops keeps the silu output too (Software.unfused_swiglu)."""
+    if not ms.gated_mlp:
+        return 2
+    return 4 if sw.unfused_swiglu else 3
 
 
 def recompute_fractions(rc: np.ndarray, sw: Software) -> tuple[np.ndarray, np.ndarray]:

@@ -88,6 +88,26 @@ class Software:
     # `.float()`): the loss and its logits buffers are not divided by tp, and the gathered 16-bit
     # logits are alive beside the fp32 ones. False: a vocab-parallel loss (Megatron, torchtitan).
     gathered_logits: bool = False
+    # SwiGLU as two eager ops, `silu(x) * gate` (Aleph Alpha scaling nn/mlp.py
+    # `_standard_siglu_forward`): autograd keeps the silu input, the silu output and the gate
+    # (and the down projection its input), 4 tensors of ffn width; a fused SwiGLU (Megatron
+    # bias_swiglu, Transformer Engine) keeps 3.
+    unfused_swiglu: bool = False
+    # RMSNorm as eager ops (Aleph Alpha scaling nn/norm/rms_norm.py `_standard_forward`:
+    # `x * rsqrt(mean(x^2) + eps)` then `* weight`): the weight's product keeps the normalized
+    # tensor beside the norm's input; a fused norm kernel keeps the input and 1/rms only.
+    unfused_norm: bool = False
+    # Attention kept in eager layout copies (Aleph Alpha scaling nn/attention/attention.py with
+    # its default `attention_qkv_in_one`): Q, K, V are views of one QKV matmul output, so the
+    # whole output stays alive through V's view that flash attention saves; RoPE saves its
+    # rotated Q and K as new tensors; and the attention output is re-laid out by a copy that
+    # the output projection saves. 3 more tensors of the Q width than Q, K, V and the output.
+    attention_copies: bool = False
+    # Interleaved 1F1B: micro-batches a rank runs on one virtual stage before moving to the next
+    # (N; 0 = pp, Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage default and
+    # torch's ScheduleInterleaved1F1B). Smaller N holds fewer warm-up activations (Llama 3 paper
+    # section 3.3.2 sets N freely; stages.inflight_per_layer).
+    pp_group: int = 0
 
     # FlashAttention 1.x kernels rather than FlashAttention-2 (Hagemann et al.'s
     # "flash_attentionv1.0.8" rows): see Coefficients.flash1_rel_speed.

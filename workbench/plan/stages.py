@@ -213,14 +213,22 @@ def rank_params(ranks: tuple[np.ndarray, np.ndarray, np.ndarray], pp: np.ndarray
 
 
 def inflight_per_layer(pp: np.ndarray, ga: np.ndarray, gpipe: np.ndarray, interleaved: np.ndarray,
-                       vv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                       vv: np.ndarray, group: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Micro-batches of activations per layer held at once on the first and the second rank:
-    GPipe keeps all ga; 1F1B keeps pp - r on rank r; interleaved 1F1B keeps pp (v + 1) - 1 - 2r
-    chunks (Megatron's warm-up), i.e. per layer of rank 0 pp (1 + (pp - 1) / (pp v))."""
+    GPipe keeps all ga; 1F1B keeps pp - r on rank r; interleaved 1F1B keeps
+    2 (pp - 1 - r) + (v - 1) N + 1 model-chunk activations on rank r (its warm-up forwards and
+    the first steady-state one; Narayanan et al. 2021, Megatron-Core's
+    get_pipeline_parallel_order / torch's ScheduleInterleaved1F1B), N the micro-batches a rank
+    runs on one virtual stage before the next (`group`; 0: pp, both stacks' default; the Llama 3
+    paper's schedule sets it freely, section 3.3.2). A rank never holds more than all its ga x v
+    chunk forwards (Megatron caps the warm-up at the total), so a layer holds at most ga."""
     inter = interleaved & (pp > 1)
-    first = np.where(pp == 1, 1.0, np.where(gpipe, ga, np.minimum(pp, ga))) \
-        * np.where(inter, 1 + (pp - 1) / (pp * vv), 1.0)
-    second = np.where(inter, first - 2 / vv, np.where(gpipe, ga, np.minimum(pp - 1, ga)))
+    n = np.where(group > 0, group, pp)
+    chunks = 2 * (pp - 1) + (vv - 1) * n + 1
+    first = np.where(pp == 1, 1.0, np.where(gpipe, ga, np.where(
+        inter, np.minimum(chunks / vv, ga), np.minimum(pp, ga))))
+    second = np.where(inter, np.minimum((chunks - 2) / vv, ga),
+                      np.where(gpipe, ga, np.minimum(pp - 1, ga)))
     return first, second
 
 

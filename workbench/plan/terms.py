@@ -330,13 +330,14 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # A compiled block (Inductor's min-cut partitioner) recomputes fused pointwise ops in the
     # backward instead of saving their outputs: the two norm outputs and the SwiGLU product.
     unsaved = (2 * act["input"] + e * ms.ffn_hidden / tp * ms.gated_mlp) if sw.compiled else 0.0
-    per_layer = tok * (act["rep"] + act["split"] + (1 - x.sel_attn) * act["quad"]) \
-        + kv_others - tok * unsaved
-    full_layer = tok * (act["rep"] + act["split"] + act["quad"]) + kv_others
+    per_layer = tok * (act["rep"] + act["split"] + act["unfused"]
+                       + (1 - x.sel_attn) * act["quad"]) + kv_others - tok * unsaved
+    full_layer = tok * (act["rep"] + act["split"] + act["unfused"] + act["quad"]) + kv_others
     stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
     working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
     factor, factor_mid = stages.inflight_per_layer(
-        pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv)
+        pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv,
+        float(sw.pp_group))
     # Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do):
     # at the start of the backward three fp32 tensors of the logits' size are alive at once:
     # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
@@ -366,7 +367,7 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
                   "mem_buf_fsdp_bytes": out["mem_buffers_bytes"] - logits_buf - working - p2p_buf,
                   "mem_buf_recompute_layer_bytes": working + 0.0 * tok,
                   "mem_buf_p2p_bytes": p2p_buf, "mem_fragmentation_bytes": co.mem_frag * peak,
-                  "mem_peak_on_last_stage": (rank == 2).astype(np.float64)}
+                  "mem_peak_rank": rank}
 
 
 def evaluate(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Columns,

@@ -94,7 +94,12 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
     if "dp-sync-in-step" in n and "BF16" in p:  # grads all-reduced in fp32 in the optimizer step
         facts |= {"zero1_allreduce": True, "dist_optimizer": True,
                   "tp_bwd_allreduces": 3 if "separate-gate-up" in n else 2,
-                  "gathered_logits": "gathered-logits" in n}
+                  "gathered_logits": "gathered-logits" in n,
+                  # the Aleph Alpha stack (separate gate/up linears) keeps eager copies
+                  "unfused_swiglu": "separate-gate-up" in n,
+                  "attention_copies": "separate-gate-up" in n,
+                  "unfused_norm": "eager-elementwise" in n,
+                  "pp_group": int(m.group(1)) if (m := re.search(r"pp-group=(\d+)", n)) else 0}
         return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
                         grad_reduce_bytes=4.0, **facts)
     if "FP16" in p:
