@@ -77,6 +77,35 @@ def test_cpu_prediction_takes_the_cores_other_jobs_left():
                               ).compute_s == pytest.approx(0.8)
 
 
+def test_slowest_of_is_the_median_of_the_slowest_rank():
+    """n ranks that wait for each other every step take the slowest of n one-rank steps: the
+    median of that maximum, drawn at random from a skewed step distribution, is what
+    slowest_of reads off the sorted one-rank steps (the 0.5 ** (1 / n) quantile)."""
+    import random
+
+    rng = random.Random(0)
+    steps = [0.4 + rng.expovariate(1 / 0.03) for _ in range(4001)]
+    assert dps.slowest_of(steps, 1) == pytest.approx(sorted(steps)[2000])
+    for n in (2, 4):
+        worst = sorted(max(rng.choice(steps) for _ in range(n)) for _ in range(20001))
+        assert dps.slowest_of(steps, n) == pytest.approx(worst[10000], rel=0.01)
+    assert dps.slowest_of(steps, 4) > dps.slowest_of(steps, 2) > dps.slowest_of(steps, 1)
+    assert dps.slowest_of([0.5] * 5, 4) == 0.5  # no spread, no wait
+
+
+def test_collectives_per_step_follow_the_bucket_layout():
+    """As the engine's counter measured them on gpt_small at 2 ranks (comm/collectives_per_step,
+    benchmarks/lowrank_scaling.py): full rank 5 (DDP's buckets of 1 + 25 + 25 + 6 MB and the
+    loss), PowerSGD 4 (one bucket: uncompressed tensors, P, Q, and the loss); a measured small
+    all-reduce is every collective's latency in the prediction."""
+    model = compose(["model=gpt_small", "model.seq_len=128"]).model
+    full = dps.dp_payload_bytes(dps.model_shape(model, None), "off")
+    assert dps.collectives(full, "off") == 5 and dps.collectives(1_065_988, "powersgd") == 4
+    base = dps.cpu_prediction(model, "powersgd", 0.5, 2, 1000, cores=2)
+    slow = dps.cpu_prediction(model, "powersgd", 0.5, 2, 1000, cores=2, collective_s=0.010)
+    assert slow.allreduce_s - base.allreduce_s == pytest.approx(4 * (0.010 - 2 * 100e-6))
+
+
 def test_chart_is_written_into_the_sweep_report(tmp_path):
     """The sweep's report gets the chart (a prediction: seconds, no training)."""
     from workbench.sweep.lowrank import scaling_chart

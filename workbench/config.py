@@ -186,6 +186,8 @@ class LowRankConfig:
     frobenius_decay: float = 1e-4
     powersgd_rank: int = 4
     powersgd_start_iter: int = 10
+    # PowerSGD: DDP in one gradient bucket (False: DDP's 25 MB buckets; parallelize.py says why)
+    powersgd_one_bucket: bool = True
 
 
 @dataclass

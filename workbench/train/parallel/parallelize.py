@@ -14,7 +14,7 @@ The model file knows nothing of this; every step works by module name.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -95,13 +95,36 @@ def apply_fsdp(model: Transformer, mesh: Mesh, layout: Layout, dtype: str,
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device) -> nn.Module:
+# DDP's bucket cap when one bucket is wanted: larger than any model's gradients.
+ONE_BUCKET_MB = 1 << 20
+
+
+def ddp_bucket_cap_mb(cfg: RunConfig) -> Optional[float]:
+    """None (DDP's default 25 MB buckets), or one bucket for PowerSGD (lowrank.powersgd_one_bucket,
+    on by default).
+
+    Why: PowerSGD's hook waits for each bucket's collectives before it returns (three in a row:
+    the uncompressed tensors, P, Q; lowrank/powersgd.py says why it must), so every bucket is a
+    point inside the backward where each rank stops until the other ranks arrive. Ranks that
+    share cores with each other and with other jobs drift apart between such points, and each
+    one costs the drift: measured on 2 shared cores, gpt_small's 4 buckets (12 blocking
+    collectives) made PowerSGD at 2 ranks slower than full rank. With one bucket the hook runs
+    once, after the backward, and its three collectives follow each other with only the
+    compression between them. On CPU ranks the all-reduce hides nothing behind the backward
+    (dp_scaling.GLOO_CPU_OVERLAP), so no overlap is lost."""
+    one = cfg.lowrank.mode == "powersgd" and cfg.lowrank.powersgd_one_bucket
+    return float(ONE_BUCKET_MB) if one else None
+
+
+def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device,
+              bucket_cap_mb: Optional[float] = None) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     return DistributedDataParallel(model, device_ids=ids,
                                    process_group=mesh.group("dp_replicate"),
-                                   broadcast_buffers=False)
+                                   broadcast_buffers=False, **kw)
 
 
 def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
@@ -127,7 +150,7 @@ def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
                        reshard_after_forward=layout.pp == 1)
             out.append(part)
         elif uses_ddp(layout):
-            out.append(apply_ddp(part, mesh, device))
+            out.append(apply_ddp(part, mesh, device, ddp_bucket_cap_mb(cfg)))
         else:
             out.append(part)
     return out
