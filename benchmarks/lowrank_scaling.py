@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 MODEL = ["model=gpt_small", "model.seq_len=128", "data.max_bytes=1000000", "tracking=none",
          "layout=ddp", "train.eval_every=100000", "train.eval_batches=1",
@@ -299,10 +299,11 @@ def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) ->
     return ok
 
 
-def combine(paths: List[Path]) -> int:
-    """One chart record from runs of disjoint modes at the same rate, steps and world sizes:
-    every row keeps the prediction made from its own run's one-rank step, link latency and
-    hook time (each row carries them), so nothing is mixed across runs."""
+def combine(paths: List[Path], dest: Optional[Path] = None) -> int:
+    """One chart record (into `dest`, default the chart's) from runs of disjoint modes at the
+    same rate, steps and world sizes: every row keeps the prediction made from its own run's
+    one-rank step, link latency and hook time (each row carries them), so nothing is mixed
+    across runs."""
     from workbench.plan.dp_chart import MEASURED
 
     parts = [json.loads(p.read_text()) for p in paths]
@@ -315,12 +316,13 @@ def combine(paths: List[Path]) -> int:
     out = dict(parts[0])
     out["rows"] = [r for p in parts for r in p["rows"]]
     out["points"] = {k: v for p in parts for k, v in p["points"].items()}
-    out["parts"] = [{k: p.get(k) for k in ("when", "load", "collective_s", "powersgd_hook_s",
-                                           "link_counters")} | {"modes": sorted(
-        {r["mode"] for r in p["rows"]})} for p in parts]
+    kept = ("when", "load", "collective_s", "powersgd_hook_s", "link_counters")
+    out["parts"] = [{**{k: p.get(k) for k in kept},
+                     "modes": sorted({r["mode"] for r in p["rows"]})} for p in parts]
     report(out["rows"], out, out["rate_mbit"])
-    MEASURED.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"recorded for the chart: {MEASURED}")
+    dest = dest or MEASURED
+    dest.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"recorded: {dest}")
     return 0
 
 
@@ -339,10 +341,11 @@ def main(argv: List[str]) -> int:
                     help="store the measured points for the scaling chart")
     ap.add_argument("--combine", nargs="+", default=[], metavar="JSON",
                     help="record the --json outputs of runs split by mode (each under 5 "
-                         "minutes on shared cores) as one record, measuring nothing")
+                         "minutes on shared cores) as one record (into --json if given, else "
+                         "the chart's), measuring nothing")
     a = ap.parse_args(argv)
     if a.combine:
-        return combine([Path(f) for f in a.combine])
+        return combine([Path(f) for f in a.combine], Path(a.json) if a.json else None)
     from workbench.testing.netns import unavailable_reason
 
     why = unavailable_reason()

@@ -106,6 +106,32 @@ def test_collectives_per_step_follow_the_bucket_layout():
     assert slow.allreduce_s - base.allreduce_s == pytest.approx(4 * (0.010 - 2 * 100e-6))
 
 
+def test_benchmark_combines_runs_split_by_mode(tmp_path):
+    """`lowrank_scaling.py --combine` (how the recorded points were measured: one invocation
+    per pair of modes, each under 5 minutes) joins the runs' rows unchanged and refuses runs
+    that measured the same mode twice."""
+    import json
+
+    from workbench.plan.dp_chart import MEASURED
+
+    rec = json.loads(MEASURED.read_text())
+    parts = []
+    for i, modes in enumerate((("off", "powersgd"), ("adaptive", "fixed"))):
+        part = {**rec, "rows": [r for r in rec["rows"] if r["mode"] in modes]}
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    script = [sys.executable, str(REPO / "benchmarks" / "lowrank_scaling.py"), "--combine"]
+    out = tmp_path / "combined.json"
+    proc = subprocess.run([*script, *map(str, parts), "--json", str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["rows"] == rec["rows"]
+    assert "within 20% of measured" in proc.stdout
+    twice = subprocess.run([*script, str(parts[0]), str(parts[0])], capture_output=True,
+                           text=True, timeout=120, cwd=REPO)
+    assert twice.returncode == 2 and "different modes" in twice.stderr
+
+
 def test_chart_is_written_into_the_sweep_report(tmp_path):
     """The sweep's report gets the chart (a prediction: seconds, no training)."""
     from workbench.sweep.lowrank import scaling_chart

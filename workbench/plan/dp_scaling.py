@@ -73,6 +73,9 @@ POWERSGD_MIN_COMPRESSION = 2.0
 TCP_PAYLOAD_EFF = 1448 / 1514
 # Per ring hop of one gloo collective over TCP between namespaces on one machine: a
 # send/recv round through the kernel and gloo's pair (tens of microseconds per hop on veth).
+# Only when not measured: benchmarks/lowrank_scaling.py measures a 4 KB all-reduce over its
+# link (0.8-3 ms at 2 ranks, 8-17 ms at 4 ranks on 2 shared cores: a waiting rank must be
+# scheduled at every hop) and cpu_prediction takes that instead.
 GLOO_HOP_LATENCY_S = 100e-6
 # Share of a step the backward pass takes when it is not measured: backward GEMMs (dX and dW)
 # do twice the forward's FLOPs (Narayanan et al. 2021, the 6 = 2 + 4 FLOPs per parameter).
