@@ -107,11 +107,14 @@ def ddp_bucket_cap_mb(cfg: RunConfig) -> Optional[float]:
     the uncompressed tensors, P, Q; lowrank/powersgd.py says why it must), so every bucket is a
     point inside the backward where each rank stops until the other ranks arrive. Ranks that
     share cores with each other and with other jobs drift apart between such points, and each
-    one costs the drift: measured on 2 shared cores, gpt_small's 4 buckets (12 blocking
-    collectives) made PowerSGD at 2 ranks slower than full rank. With one bucket the hook runs
-    once, after the backward, and its three collectives follow each other with only the
-    compression between them. On CPU ranks the all-reduce hides nothing behind the backward
-    (dp_scaling.GLOO_CPU_OVERLAP), so no overlap is lost."""
+    one costs the drift (a 4 KB all-reduce: ~0.8 ms back to back, ~3.6 ms after 20 ms of compute
+    on each of 2 ranks on 2 shared cores; benchmarks/lowrank_sync_probe.py). With one bucket the
+    hook runs once, after the backward, and its three collectives follow each other with only
+    the compression between them: gpt_small's 13 collectives a step become 4. Measured at 2
+    ranks, that is a wash on a quiet machine (the hook computes ~0.04 s more in one bucket) and
+    13% faster with other jobs on the cores; the ranks meet once a step, as in the other modes.
+    On CPU ranks the all-reduce hides nothing behind the backward (dp_scaling.GLOO_CPU_OVERLAP),
+    so no overlap is lost; on GPUs one bucket gives up PowerSGD's overlap with the backward."""
     one = cfg.lowrank.mode == "powersgd" and cfg.lowrank.powersgd_one_bucket
     return float(ONE_BUCKET_MB) if one else None
 
