@@ -6,6 +6,7 @@ next to the cost model's prediction for that link.
                                               [--modes off,adaptive,fixed,powersgd]
                                               [--worlds 1,2,4] [--repeat 1]
                                               [--json OUT] [--record]
+    python benchmarks/lowrank_scaling.py --combine A.json B.json   (runs split by mode)
 
 Each rank runs in its own network namespace behind one veth NIC limited to --rate-mbit in both
 directions (workbench.testing.netns), DDP over gloo. The model is gpt_small (14.3M parameters,
@@ -17,12 +18,15 @@ for 2 or 4 ranks on 2 cores); at world size 4 the ranks share 2 cores, so comput
 2x as long and efficiency cannot exceed 50% on this machine (the prediction includes that).
 
 Measured: median step time over the steps after the low-rank switch / PowerSGD's start; bytes
-per step as the engine's ByteCounter counts them. Predicted (workbench.plan.dp_scaling): the
-step at world size 1 is the measured one (per mode: a factorized model computes faster; for
-PowerSGD, plus its hook's compute, measured by one-rank DDP with and without the hook, since
-the hook only runs with more than one rank); the all-reduce time, its overlap with the
-backward, the bytes (from the model's shape, fixed and adaptive at rank_ratio) and the CPU
-oversubscription are the model's, the cores counted as those left free of other jobs while
+per step and collectives per step as the engine's ByteCounter counts them. Predicted
+(workbench.plan.dp_scaling): the step at world size 1 is the measured one (per mode: a
+factorized model computes faster; for PowerSGD, plus its hook's compute, measured by one-rank
+DDP with and without the hook in turns, since the hook only runs with more than one rank), N
+ranks taking the slowest of N one-rank steps (the measured one-rank step times' 0.5 ** (1/N)
+quantile), every collective paying the latency of a 4 KB all-reduce measured over the link at
+that world size; the all-reduce time, its overlap with the backward, the bytes (from the
+model's shape, fixed and adaptive at rank_ratio), the collectives (DDP's bucket layout) and the
+CPU oversubscription are the model's, the cores counted as those left free of other jobs while
 each point was measured (CpuShare; printed as "free"). The check: predicted
 tokens/s within 20% of measured. --record stores the measured points with the chart's data
 (workbench/plan/dp_measured.json) for `python -m workbench.plan.dp_chart`.
@@ -40,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 MODEL = ["model=gpt_small", "model.seq_len=128", "data.max_bytes=1000000", "tracking=none",
          "layout=ddp", "train.eval_every=100000", "train.eval_batches=1",
@@ -59,47 +63,10 @@ def timed(history: List[Dict[str, float]], first: int) -> Dict[str, float]:
     rows = history[first:] or history
     return {"step_s": statistics.median(h["step_time_s"] for h in rows),
             "bytes": max(h.get("comm/bytes_per_step", 0.0) for h in rows[-1:]),
-            "trainable": rows[-1].get("params/trainable", 0.0)}
-
-
-class CpuShare:
-    """`with CpuShare(cores) as cs:` ... `cs.free`: the cores the measured code had to itself,
-    on average over the block: the machine's cores minus the CPU time every other process
-    took meanwhile (/proc/stat user + nice + system of all cores, minus this process's and
-    its reaped children's rusage; softirq, where the kernel moves the ranks' packets, is
-    left out of both).
-
-    Why: the cost model shares the cores among the ranks (N ranks on C cores compute N/C
-    times as long), and the 2 cores of this machine are shared with other jobs: a step
-    measured while they take a core is slower by a factor the model can only know if it is
-    measured. One rank alone loses nothing to one busy neighbour on 2 cores; 4 ranks lose a
-    fifth of their share to it (2/5 of a core each instead of 2/4)."""
-
-    def __init__(self, cores: int):
-        self.cores, self.free = cores, float(cores)
-
-    @staticmethod
-    def _busy_s() -> float:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (v[0] + v[1] + v[2]) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own_s() -> float:
-        import resource
-
-        return sum(r.ru_utime + r.ru_stime for r in (
-            resource.getrusage(resource.RUSAGE_SELF),
-            resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-    def __enter__(self) -> CpuShare:
-        self._t, self._busy, self._own = time.perf_counter(), self._busy_s(), self._own_s()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        wall = time.perf_counter() - self._t
-        others = (self._busy_s() - self._busy) - (self._own_s() - self._own)
-        self.free = min(float(self.cores), max(0.25, self.cores - max(0.0, others) / wall))
+            "trainable": rows[-1].get("params/trainable", 0.0),
+            "collectives": statistics.median(h.get("comm/collectives_per_step", 0.0)
+                                             for h in rows),
+            "step_samples": [h["step_time_s"] for h in rows]}
 
 
 def copy_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
@@ -116,11 +83,14 @@ def copy_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return 2 * nbytes * repeats / (time.perf_counter() - t0)
 
 
-def powersgd_hook_s(cfg: Any, steps: int = 8) -> float:
+def powersgd_hook_s(cfg: Any, steps: int = 12) -> float:
     """Seconds PowerSGD's hook adds to one rank's step, measured: DDP over a one-rank gloo group
-    with and without workbench's PowerSGD hook (over one rank its all-reduces move nothing,
-    so the difference is the compression's compute). The engine does not wrap one process in
-    DDP, hence this separate measurement."""
+    with and without workbench's PowerSGD hook, in one bucket as the engine runs it (over one
+    rank its all-reduces move nothing, so the difference is the compression's compute). The
+    engine does not wrap one process in DDP, hence this separate measurement. The two models
+    step in turn and the figure is the median of the paired differences: other jobs that come
+    and go on the shared cores then slow both sides of a pair alike (measured one after the
+    other, the two medians once differed by nothing at all under load)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -128,24 +98,26 @@ def powersgd_hook_s(cfg: Any, steps: int = 8) -> float:
 
     from workbench.lowrank.powersgd import PowerSGD
     from workbench.train.model import build
+    from workbench.train.parallel.parallelize import ONE_BUCKET_MB
 
     store = dist.FileStore(tempfile.mktemp(prefix="wb-hook-"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        med = {}
-        for hooked in (False, True):
-            ddp = DistributedDataParallel(build(cfg.model, cfg.train.seed))
-            if hooked:
-                PowerSGD(ddp, cfg.lowrank.powersgd_rank, 2, cfg.train.seed)
-            x = torch.randint(0, cfg.model.vocab, (MICRO_BATCH, cfg.model.seq_len + 1))
-            times = []
-            for _ in range(steps):
+        ddps = [DistributedDataParallel(build(cfg.model, cfg.train.seed),
+                                        bucket_cap_mb=ONE_BUCKET_MB) for _ in range(2)]
+        PowerSGD(ddps[1], cfg.lowrank.powersgd_rank, 2, cfg.train.seed)
+        x = torch.randint(0, cfg.model.vocab, (MICRO_BATCH, cfg.model.seq_len + 1))
+        diffs = []
+        for i in range(steps):
+            pair = []
+            for ddp in ddps:
                 t0 = time.perf_counter()
                 logits = ddp(x[:, :-1])
                 F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
-                times.append(time.perf_counter() - t0)
-            med[hooked] = statistics.median(times[3:])
-        return max(0.0, med[True] - med[False])
+                pair.append(time.perf_counter() - t0)
+            if i >= 3:  # PowerSGD starts at its iteration 2; DDP rebuilds after the first
+                diffs.append(pair[1] - pair[0])
+        return max(0.0, statistics.median(diffs))
     finally:
         dist.destroy_process_group()
 
@@ -159,8 +131,9 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
     from workbench.config import LauncherConfig
     from workbench.data.corpus import load as load_data
     from workbench.launch.world import cores, threads_per_rank
+    from workbench.testing.cpushare import CpuShare
     from workbench.testing.multirank import Case, run_cases, run_single
-    from workbench.testing.netns import LimitedLink, probe_bytes_per_s
+    from workbench.testing.netns import LimitedLink, probe_bytes_per_s, small_allreduce_s
 
     first = max(2, steps * 2 // 5)  # the switches land by 20%; DDP re-wraps settle after
     base = MODEL + [f"train.steps={steps}", f"train.micro_batch={MICRO_BATCH}"]
@@ -196,6 +169,10 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
                       "") for m in modes]
         with LimitedLink(n, rate_mbit) as link:
             out["probe_mbit"][str(rate_mbit)] = probe_bytes_per_s(link) * 8 / 1e6
+            out.setdefault("collective_s", {})[str(n)] = small_allreduce_s(link)
+            print(f"  world {n}: a 4 KB all-reduce over the link takes "
+                  f"{1e3 * out['collective_s'][str(n)]:.2f} ms (median, nothing computing)",
+                  flush=True)
             with CpuShare(out["cores"]) as share:
                 results = run_cases(n, cases, data, f"{root}/w{n}", timeout_s=1200,
                                     netns=link.namespaces)
@@ -238,7 +215,7 @@ def repeated(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
 def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
                 rate_mbit: float) -> List[Dict[str, Any]]:
     from workbench.cli import compose
-    from workbench.plan.dp_scaling import cpu_prediction, model_shape
+    from workbench.plan.dp_scaling import collectives, cpu_prediction, model_shape
     from workbench.plan.dp_scaling import powersgd_hook_s as hook_model
 
     model = compose(MODEL).model
@@ -250,13 +227,20 @@ def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
             one = out["points"][f"{m}/1"]
             pr = cpu_prediction(model, m, one["step_s"], n, rate_mbit,
                                 p.get("free_cores", out["cores"]), out.get("powersgd_hook_s", 0.0),
-                                one.get("free_cores", out["cores"]))
+                                one.get("free_cores", out["cores"]),
+                                one.get("step_samples", ()),
+                                out.get("collective_s", {}).get(str(n)))
             tok = MICRO_BATCH * n * model.seq_len
             rows.append({"mode": m, "world": n, "step_s": p["step_s"],
+                         "collective_s": out.get("collective_s", {}).get(str(n)),
+                         "hook_s": out.get("powersgd_hook_s", 0.0),
                          "tokens_per_s": tok / p["step_s"], "bytes": p["bytes"],
                          "pred_bytes": pr.payload_bytes if n > 1 else 0.0,
                          "pred_step_s": pr.step_s, "pred_tokens_per_s": tok / pr.step_s,
                          "pred_efficiency": pr.efficiency,
+                         "collectives": p.get("collectives", 0.0),
+                         "pred_collectives": collectives(pr.payload_bytes, kind(m))
+                         if n > 1 else 0,
                          "free_cores": p.get("free_cores", out["cores"])})
     one = {r["mode"]: r["tokens_per_s"] for r in rows if r["world"] == 1}
     for r in rows:
@@ -265,14 +249,20 @@ def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
     return rows
 
 
+def kind(mode: str) -> str:
+    """The cost model's name for a benchmark mode (adaptive and fixed both train low rank)."""
+    return {"adaptive": "lowrank", "fixed": "lowrank"}.get(mode, mode)
+
+
 def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) -> bool:
     print(f"\n{'mode':<9} {'N':>2} {'free':>4} {'MB/step':>8} {'pred MB':>8} {'s/step':>7} "
-          f"{'tokens/s':>9} {'eff':>5} | {'pred s':>7} {'pred tok/s':>10} {'pred eff':>8} "
-          f"{'err':>6}")
+          f"{'tokens/s':>9} {'eff':>5} {'coll':>4} | {'coll':>4} {'pred s':>7} "
+          f"{'pred tok/s':>10} {'pred eff':>8} {'err':>6}")
     for r in rows:
         print(f"{r['mode']:<9} {r['world']:>2} {r['free_cores']:>4.2f} {r['bytes'] / 1e6:>8.2f} "
               f"{r['pred_bytes'] / 1e6:>8.2f} {r['step_s']:>7.3f} {r['tokens_per_s']:>9.0f} "
-              f"{r['efficiency']:>5.2f} | {r['pred_step_s']:>7.3f} "
+              f"{r['efficiency']:>5.2f} {r['collectives']:>4.0f} | "
+              f"{r['pred_collectives']:>4.0f} {r['pred_step_s']:>7.3f} "
               f"{r['pred_tokens_per_s']:>10.0f} {r['pred_efficiency']:>8.2f} "
               f"{r['error_pct']:>+5.0f}%")
     ok = all(abs(r["error_pct"]) <= 20 for r in rows)
@@ -280,6 +270,9 @@ def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) ->
           f"{out['host_copy_bytes_per_s'] / 1e9:.1f} GB/s; PowerSGD hook measured "
           f"{out.get('powersgd_hook_s', 0.0):.3f} s/step (the hook model at that bandwidth: "
           f"{out.get('hook_model_s', 0.0):.3f}); cores: {out['cores']}")
+    print("collectives per step (coll) measured by the engine's counter and in the model; "
+          "a 4 KB all-reduce over the link, measured: " + ", ".join(
+              f"{1e3 * v:.2f} ms at {k} ranks" for k, v in out.get("collective_s", {}).items()))
     for n, c in out.get("link_counters", {}).items():
         print(f"link at world {n}: tbf sent {c['sent_bytes'] / 1e9:.2f} GB, dropped "
               f"{c['dropped']} packets; TCP retransmitted {c['retrans_segs']} segments, "
@@ -306,6 +299,33 @@ def report(rows: List[Dict[str, Any]], out: Dict[str, Any], rate_mbit: float) ->
     return ok
 
 
+def combine(paths: List[Path], dest: Optional[Path] = None) -> int:
+    """One chart record (into `dest`, default the chart's) from runs of disjoint modes at the
+    same rate, steps and world sizes: every row keeps the prediction made from its own run's
+    one-rank step, link latency and hook time (each row carries them), so nothing is mixed
+    across runs."""
+    from workbench.plan.dp_chart import MEASURED
+
+    parts = [json.loads(p.read_text()) for p in paths]
+    keys = [(r["mode"], r["world"]) for p in parts for r in p["rows"]]
+    same = {(p["rate_mbit"], p["steps"]) for p in parts}
+    if len(set(keys)) != len(keys) or len(same) != 1:
+        print("lowrank_scaling: --combine takes runs of different modes at one --rate-mbit "
+              f"and --steps; got rows {keys} and (rate, steps) {sorted(same)}", file=sys.stderr)
+        return 2
+    out = dict(parts[0])
+    out["rows"] = [r for p in parts for r in p["rows"]]
+    out["points"] = {k: v for p in parts for k, v in p["points"].items()}
+    kept = ("when", "load", "collective_s", "powersgd_hook_s", "link_counters")
+    out["parts"] = [{**{k: p.get(k) for k in kept},
+                     "modes": sorted({r["mode"] for r in p["rows"]})} for p in parts]
+    report(out["rows"], out, out["rate_mbit"])
+    dest = dest or MEASURED
+    dest.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"recorded: {dest}")
+    return 0
+
+
 def main(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate-mbit", type=float, default=1000.0)
@@ -319,7 +339,13 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--record", action="store_true",
                     help="store the measured points for the scaling chart")
+    ap.add_argument("--combine", nargs="+", default=[], metavar="JSON",
+                    help="record the --json outputs of runs split by mode (each under 5 "
+                         "minutes on shared cores) as one record (into --json if given, else "
+                         "the chart's), measuring nothing")
     a = ap.parse_args(argv)
+    if a.combine:
+        return combine([Path(f) for f in a.combine], Path(a.json) if a.json else None)
     from workbench.testing.netns import unavailable_reason
 
     why = unavailable_reason()

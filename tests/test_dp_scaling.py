@@ -77,6 +77,61 @@ def test_cpu_prediction_takes_the_cores_other_jobs_left():
                               ).compute_s == pytest.approx(0.8)
 
 
+def test_slowest_of_is_the_median_of_the_slowest_rank():
+    """n ranks that wait for each other every step take the slowest of n one-rank steps: the
+    median of that maximum, drawn at random from a skewed step distribution, is what
+    slowest_of reads off the sorted one-rank steps (the 0.5 ** (1 / n) quantile)."""
+    import random
+
+    rng = random.Random(0)
+    steps = [0.4 + rng.expovariate(1 / 0.03) for _ in range(4001)]
+    assert dps.slowest_of(steps, 1) == pytest.approx(sorted(steps)[2000])
+    for n in (2, 4):
+        worst = sorted(max(rng.choice(steps) for _ in range(n)) for _ in range(20001))
+        assert dps.slowest_of(steps, n) == pytest.approx(worst[10000], rel=0.01)
+    assert dps.slowest_of(steps, 4) > dps.slowest_of(steps, 2) > dps.slowest_of(steps, 1)
+    assert dps.slowest_of([0.5] * 5, 4) == 0.5  # no spread, no wait
+
+
+def test_collectives_per_step_follow_the_bucket_layout():
+    """As the engine's counter measured them on gpt_small at 2 ranks (comm/collectives_per_step,
+    benchmarks/lowrank_scaling.py): full rank 5 (DDP's buckets of 1 + 25 + 25 + 6 MB and the
+    loss), PowerSGD 4 (one bucket: uncompressed tensors, P, Q, and the loss); a measured small
+    all-reduce is every collective's latency in the prediction."""
+    model = compose(["model=gpt_small", "model.seq_len=128"]).model
+    full = dps.dp_payload_bytes(dps.model_shape(model, None), "off")
+    assert dps.collectives(full, "off") == 5 and dps.collectives(1_065_988, "powersgd") == 4
+    base = dps.cpu_prediction(model, "powersgd", 0.5, 2, 1000, cores=2)
+    slow = dps.cpu_prediction(model, "powersgd", 0.5, 2, 1000, cores=2, collective_s=0.010)
+    assert slow.allreduce_s - base.allreduce_s == pytest.approx(4 * (0.010 - 2 * 100e-6))
+
+
+def test_benchmark_combines_runs_split_by_mode(tmp_path):
+    """`lowrank_scaling.py --combine` (how the recorded points were measured: one invocation
+    per pair of modes, each under 5 minutes) joins the runs' rows unchanged and refuses runs
+    that measured the same mode twice."""
+    import json
+
+    from workbench.plan.dp_chart import MEASURED
+
+    rec = json.loads(MEASURED.read_text())
+    parts = []
+    for i, modes in enumerate((("off", "powersgd"), ("adaptive", "fixed"))):
+        part = {**rec, "rows": [r for r in rec["rows"] if r["mode"] in modes]}
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps(part))
+    script = [sys.executable, str(REPO / "benchmarks" / "lowrank_scaling.py"), "--combine"]
+    out = tmp_path / "combined.json"
+    proc = subprocess.run([*script, *map(str, parts), "--json", str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(out.read_text())["rows"] == rec["rows"]
+    assert "within 20% of measured" in proc.stdout
+    twice = subprocess.run([*script, str(parts[0]), str(parts[0])], capture_output=True,
+                           text=True, timeout=120, cwd=REPO)
+    assert twice.returncode == 2 and "different modes" in twice.stderr
+
+
 def test_chart_is_written_into_the_sweep_report(tmp_path):
     """The sweep's report gets the chart (a prediction: seconds, no training)."""
     from workbench.sweep.lowrank import scaling_chart

@@ -53,6 +53,8 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir):
     # PowerSGD rank 4: full all-reduce before its start iteration, far less after
     psgd = series("powersgd", "comm/bytes_per_step")
     assert psgd[0] == full[0] and psgd[-1] < 0.2 * full[-1]
+    # ... in one DDP bucket (parallelize.ddp_bucket_cap_mb): its three all-reduces and the loss
+    assert series("powersgd", "comm/collectives_per_step")[-1] == 4
     # every mode logged val_loss at the same token budget; the parent holds the report
     assert all(len(series(m, "val_loss")) == 4 for m in runs)
     parent = json.loads((workdir / "sweeps" / "lr_ci" / "plan.json").read_text())["parent_run_id"]

@@ -49,6 +49,8 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
     "benchmarks/hetero_cpu.py": ["--quick"],  # 4 layers, 3 steps; speed printed, not checked
     "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
+    "benchmarks/lowrank_sync_probe.py": ["--busy-ms", "0", "--iters", "20", "--rounds", "1",
+                                        "--steps", "4"],
 }
 
 

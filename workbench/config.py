@@ -186,6 +186,9 @@ class LowRankConfig:
     frobenius_decay: float = 1e-4
     powersgd_rank: int = 4
     powersgd_start_iter: int = 10
+    # PowerSGD on CPU ranks: DDP in one gradient bucket (False: DDP's 25 MB buckets, as on GPUs;
+    # parallelize.ddp_bucket_cap_mb says why)
+    powersgd_one_bucket: bool = True
 
 
 @dataclass

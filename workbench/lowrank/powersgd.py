@@ -70,7 +70,10 @@ class PowerSGD:
         # The hook chains several all-reduces through future callbacks; with more than one
         # bucket, one bucket's callbacks and the next bucket's all-reduce can reach gloo in a
         # different order on each rank (a collective mismatch). Waiting keeps every rank's
-        # order identical; on the CPU there is no compute to overlap with anyway.
+        # order identical; on the CPU there is no compute to overlap with anyway. Each wait
+        # stops the backward until every rank has arrived, so the engine gives DDP one bucket
+        # for PowerSGD (parallelize.ddp_bucket_cap_mb): one such stop per step, not one per
+        # 25 MB of gradients.
         fut = psgd.powerSGD_hook(st, bucket)
         fut.wait()
         if idx in st.error_dict:

@@ -74,8 +74,9 @@ def measured_link_curves(rec: Dict[str, Any]) -> Dict[str, List[tuple]]:
         one = rec["points"][f"{r['mode']}/1"]
         p = cpu_prediction(model, r["mode"], one["step_s"], r["world"],
                            float(rec["rate_mbit"]), float(r.get("free_cores", cores)),
-                           float(rec.get("powersgd_hook_s", 0.0)),
-                           float(one.get("free_cores", cores)))
+                           float(r.get("hook_s", rec.get("powersgd_hook_s", 0.0))),
+                           float(one.get("free_cores", cores)), one.get("step_samples", ()),
+                           r.get("collective_s"))
         out.setdefault(r["mode"], []).append((r["world"], r["efficiency"], p.efficiency))
     return out
 

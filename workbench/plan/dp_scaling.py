@@ -16,7 +16,16 @@ for full and factorized models; for PowerSGD the rank-r factors P (m x r) and Q 
 matrix it compresses and the uncompressed rest.
 
 On CPU ranks, compute(N) is the one-rank step stretched by the sharing of cores: N ranks of one
-thread on C cores free of other jobs take max(1, N / C) times as long (cpu_prediction). The
+thread on C cores free of other jobs take max(1, N / C) times as long (cpu_prediction), and
+since the ranks wait for each other every step, each step lasts as long as the slowest rank's:
+the median of the slowest of N one-rank steps (slowest_of, from the one-rank step times
+measured in the same run). Every collective of the step (collectives(): DDP's buckets, or
+PowerSGD's three all-reduces in its one bucket, and the loss) pays the latency of a small
+all-reduce over the same link, measured in the same run. A collective's cost beyond that is
+the wait for a peer that computes: on 2 shared cores a 4 KB all-reduce takes ~0.7 ms back to
+back but ~4 ms after 20 ms of compute on each rank, on loopback as on the limited link
+(benchmarks/lowrank_sync_probe.py wait), which is why PowerSGD, whose hook blocks per bucket,
+runs in one bucket (parallelize.ddp_bucket_cap_mb). The
 cores free of other jobs are measured with every step (benchmarks/lowrank_scaling.py): on a
 machine shared with other jobs a neighbour costs one rank nothing and 4 ranks a fifth of their
 share, which is what put full rank at 4 ranks 30% above this model in a run where they were
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
@@ -45,6 +55,9 @@ MODES = ("off", "lowrank", "powersgd")
 # DDP's default bucket: gradients are all-reduced in buckets of 25 MB, one collective each
 # (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25).
 DDP_BUCKET_BYTES = 25 * 2**20
+# ... except the first bucket (the last gradients of the backward), 1 MB
+# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES), kept after DDP rebuilds its buckets.
+DDP_FIRST_BUCKET_BYTES = 2**20
 # The engine all-reduces the step's mean loss too (one fp32), counted in comm/bytes_per_step.
 LOSS_BYTES = 4
 # Passes over the fp32 gradient memory torch's powerSGD_hook (torch 2.13, error feedback and warm
@@ -60,6 +73,9 @@ POWERSGD_MIN_COMPRESSION = 2.0
 TCP_PAYLOAD_EFF = 1448 / 1514
 # Per ring hop of one gloo collective over TCP between namespaces on one machine: a
 # send/recv round through the kernel and gloo's pair (tens of microseconds per hop on veth).
+# Only when not measured: benchmarks/lowrank_scaling.py measures a 4 KB all-reduce over its
+# link (0.8-3 ms at 2 ranks, 8-17 ms at 4 ranks on 2 shared cores: a waiting rank must be
+# scheduled at every hop) and cpu_prediction takes that instead.
 GLOO_HOP_LATENCY_S = 100e-6
 # Share of a step the backward pass takes when it is not measured: backward GEMMs (dX and dW)
 # do twice the forward's FLOPs (Narayanan et al. 2021, the 6 = 2 + 4 FLOPs per parameter).
@@ -99,10 +115,15 @@ def gpu_link(name: str, nic_gbit_per_s: float, gpus_per_nic: int, gpu: str = "H1
                 co.dp_overlap, cl.gpus_per_node, intra, ring_latency=False)
 
 
-def cpu_link(rate_mbit: float, overlap: float) -> Link:
-    """CPU ranks each behind its own `tc tbf`-limited veth NIC (workbench.testing.netns)."""
+def cpu_link(rate_mbit: float, overlap: float, collective_s: float | None = None,
+             n_ranks: int = 2) -> Link:
+    """CPU ranks each behind its own `tc tbf`-limited veth NIC (workbench.testing.netns).
+    `collective_s`: a small all-reduce's time over that link among n_ranks, measured
+    (netns.small_allreduce_s); spread over the ring's 2 (n - 1) hops. None: GLOO_HOP_LATENCY_S."""
+    hop = GLOO_HOP_LATENCY_S if collective_s is None or n_ranks < 2 \
+        else collective_s / (2 * (n_ranks - 1))
     return Link(f"tc {rate_mbit:g} Mbit/s veth", rate_mbit * 1e6 / 8 * TCP_PAYLOAD_EFF,
-                GLOO_HOP_LATENCY_S, overlap)
+                hop, overlap)
 
 
 def _matrices(ms: ModelShape) -> list[tuple[int, int]]:
@@ -146,10 +167,30 @@ def powersgd_hook_s(ms: ModelShape, mem_bytes_per_s: float, grad_bytes: float = 
 
 
 def collectives(payload_bytes: float, mode: str) -> int:
-    """All-reduces per step: one per DDP bucket; PowerSGD two per bucket (P, then Q) plus one
-    for the uncompressed tensors."""
-    buckets = max(1, math.ceil(payload_bytes / DDP_BUCKET_BYTES))
-    return 2 * buckets + 1 if mode == "powersgd" else buckets
+    """All-reduces per step, as the engine issues them (counted: comm/collectives_per_step):
+    one per DDP bucket (a first bucket of DDP_FIRST_BUCKET_BYTES, then DDP_BUCKET_BYTES each)
+    and the step's loss; PowerSGD runs in one bucket (parallelize.ddp_bucket_cap_mb) and
+    all-reduces three times in it: the uncompressed tensors, P, then Q."""
+    if mode == "powersgd":
+        return 3 + 1
+    rest = max(0.0, payload_bytes - LOSS_BYTES - DDP_FIRST_BUCKET_BYTES)
+    return 1 + math.ceil(rest / DDP_BUCKET_BYTES) + 1
+
+
+def slowest_of(samples: Sequence[float], n_ranks: int) -> float:
+    """The median step of n_ranks that wait for each other once a step, from one rank's step
+    times: every step lasts as long as the slowest rank's, and the median of the largest of n
+    independent draws is the 0.5 ** (1 / n) quantile of one draw's distribution (0.71 for 2
+    ranks, 0.84 for 4). Why: on shared cores one rank's step varies by several percent from
+    step to step (other jobs, the scheduler), and n ranks pay the worst of n every step; the
+    one-rank median does not show that. Empirical quantile, linear between order statistics."""
+    xs = sorted(samples)
+    if not xs:
+        raise ValueError("slowest_of needs at least one step time")
+    pos = (len(xs) - 1) * 0.5 ** (1.0 / max(1, n_ranks))
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def allreduce_s(payload_bytes: float, n_ranks: int, link: Link, n_collectives: int = 1
@@ -194,7 +235,8 @@ def predict(step1_s: float, backward_s: float, payload_bytes: float, n_ranks: in
 
 def cpu_prediction(model: ModelConfig, mode: str, step1_s: float, n_ranks: int,
                    rate_mbit: float, cores: float, hook_s: float = 0.0,
-                   cores_at_1: float | None = None) -> DpPoint:
+                   cores_at_1: float | None = None, step1_samples: Sequence[float] = (),
+                   collective_s: float | None = None) -> DpPoint:
     """A mode of benchmarks/lowrank_scaling.py (off, adaptive, fixed, powersgd) on CPU ranks of
     one thread each behind the tc-limited link, from its measured one-rank step (and for
     PowerSGD its hook's measured compute, hook_s): the bytes from the shape (adaptive at
@@ -204,16 +246,23 @@ def cpu_prediction(model: ModelConfig, mode: str, step1_s: float, n_ranks: int,
     `cores_at_1` (default: the same) while the one-rank step was: the machine's cores less
     the CPU other jobs took (benchmarks/lowrank_scaling.py measures both). On shared cores
     the n ranks compute max(1, n / cores) times as long as one rank with all it needs, and
-    the measured one-rank step was itself stretched by max(1, 1 / cores_at_1)."""
+    the measured one-rank step was itself stretched by max(1, 1 / cores_at_1).
+
+    Measured in the same run when given: `step1_samples`, the one-rank step times (the n ranks
+    wait for the slowest each step: slowest_of); `collective_s`, a small all-reduce over the
+    link among n_ranks (the latency every collective of the step pays, collectives())."""
     kind = {"adaptive": "lowrank", "fixed": "lowrank"}.get(mode, mode)
     ms = model_shape(model, lowrank_config(kind))
     payload = dp_payload_bytes(ms, kind)
     hook = hook_s if kind == "powersgd" else 0.0
     at_1 = cores if cores_at_1 is None else cores_at_1
     slowdown = max(1.0, n_ranks / cores) / max(1.0, 1.0 / at_1)
-    return predict(step1_s, BACKWARD_SHARE * step1_s, payload, n_ranks,
-                   cpu_link(rate_mbit, GLOO_CPU_OVERLAP), collectives(payload, kind),
-                   slowdown, hook)
+    slowest = slowest_of(step1_samples, n_ranks) if step1_samples else step1_s
+    point = predict(slowest, BACKWARD_SHARE * slowest, payload, n_ranks,
+                    cpu_link(rate_mbit, GLOO_CPU_OVERLAP, collective_s, n_ranks),
+                    collectives(payload, kind), slowdown, hook)
+    return DpPoint(n_ranks, payload, point.step_s, point.compute_s, point.allreduce_s,
+                   point.exposed_s, step1_s / point.step_s)
 
 
 def lowrank_config(mode: str, rank_ratio: float = 0.25, powersgd_rank: int = 4

@@ -216,3 +216,48 @@ def probe_bytes_per_s(link: LimitedLink, nbytes: int = 32 << 20) -> float:
     finally:
         server.kill()
         server.wait()
+
+
+def _small_allreduce_child(rank: int, n: int, store: str, namespaces: List[str], nbytes: int,
+                           iters: int, out: str) -> None:
+    import json
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    enter_namespace(namespaces[rank])
+    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, n), rank=rank, world_size=n)
+    t = torch.ones(max(1, nbytes // 4))
+    times = []
+    for _ in range(iters + 5):  # five to open gloo's connections and warm TCP
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times[5:], f)
+
+
+def small_allreduce_s(link: LimitedLink, nbytes: int = 4096, iters: int = 60) -> float:
+    """Median seconds of one blocking gloo all-reduce of `nbytes` among all of the link's ranks,
+    one after another with nothing computing: the latency every collective of a step pays
+    whatever its size (gloo's ring: 2 (N - 1) sends and receives through the kernel, the
+    veth pair, the bridge and tbf, and a wake-up of the waiting thread for each)."""
+    import json
+    import statistics
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    store = tempfile.mktemp(prefix="wb-small-")
+    out = tempfile.mktemp(prefix="wb-small-", suffix=".json")
+    mp.spawn(_small_allreduce_child, args=(link.n, store, link.namespaces, nbytes, iters, out),
+             nprocs=link.n, join=True)
+    with open(out) as f:
+        times = json.load(f)
+    os.unlink(out)
+    return statistics.median(times)

@@ -257,7 +257,8 @@ class ParallelEngine:
         uncounted all-gather per step."""
         counts = self.counter.totals()
         vec = torch.tensor([float(counts[k]) for k in comm.KINDS]
-                           + [local_peak_mem_bytes(self.device), 1.0 if stop else 0.0],
+                           + [local_peak_mem_bytes(self.device), 1.0 if stop else 0.0,
+                              float(self.counter.calls)],
                            dtype=torch.float64, device=self.device)
         world = dist.get_world_size()
         out = torch.empty(world * vec.numel(), dtype=torch.float64, device=self.device)
@@ -266,7 +267,8 @@ class ParallelEngine:
         out = out.view(world, vec.numel())
         n = len(comm.KINDS)
         stats = {"peak_mem_bytes": float(out[:, n].max()),
-                 **comm.metric_dict(dict(zip(comm.KINDS, out[:, :n].mean(dim=0).tolist())))}
+                 **comm.metric_dict(dict(zip(comm.KINDS, out[:, :n].mean(dim=0).tolist())),
+                                    float(out[:, n + 2].mean()))}
         return stats, bool(out[:, n + 1].max() > 0)
 
     def uncounted(self) -> AbstractContextManager:

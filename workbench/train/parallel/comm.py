@@ -44,10 +44,13 @@ class ByteCounter:
 
     def __init__(self) -> None:
         self.counts: Dict[str, int] = defaultdict(int)
+        # collectives issued: each one a point where every rank waits for the slowest
+        self.calls = 0
         self.paused = False
 
     def reset(self) -> None:
         self.counts.clear()
+        self.calls = 0
 
     def totals(self) -> Dict[str, int]:
         return {k: self.counts.get(k, 0) for k in KINDS}
@@ -106,6 +109,7 @@ class CountingGroup(dist.ProcessGroup):
     def _add(self, kind: str, tensors: Iterable[torch.Tensor]) -> None:
         if not self.counter.paused and self._size > 1:
             self.counter.counts[kind] += _nbytes(tensors)
+            self.counter.calls += 1
 
     # --- collectives ---
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
@@ -251,10 +255,13 @@ def init_process_group(device_type: str, rank: int, world_size: int, counter: By
                             timeout=timedelta(seconds=timeout_s))
 
 
-def metric_dict(per_rank_mean: Dict[str, float]) -> Dict[str, float]:
-    """The tracked names: comm/<kind>_bytes for the four kinds the issue names, and their sum
-    over all kinds (broadcast and the rest included) as comm/bytes_per_step."""
+def metric_dict(per_rank_mean: Dict[str, float], calls: float = 0.0) -> Dict[str, float]:
+    """The tracked names: comm/<kind>_bytes for the four kinds the issue names, their sum
+    over all kinds (broadcast and the rest included) as comm/bytes_per_step, and the counted
+    collectives of the step as comm/collectives_per_step (each pays a latency and waits for
+    the slowest rank, whatever its size: the cost model's per-collective term)."""
     out = {f"comm/{k}_bytes": per_rank_mean.get(k, 0.0)
            for k in ("allreduce", "reduce_scatter", "allgather", "p2p")}
     out["comm/bytes_per_step"] = float(sum(per_rank_mean.get(k, 0.0) for k in KINDS))
+    out["comm/collectives_per_step"] = float(calls)
     return out

@@ -14,7 +14,7 @@ The model file knows nothing of this; every step works by module name.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -95,13 +95,41 @@ def apply_fsdp(model: Transformer, mesh: Mesh, layout: Layout, dtype: str,
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device) -> nn.Module:
+# DDP's bucket cap when one bucket is wanted: larger than any model's gradients.
+ONE_BUCKET_MB = 1 << 20
+
+
+def ddp_bucket_cap_mb(cfg: RunConfig, device: torch.device) -> Optional[float]:
+    """None (DDP's default 25 MB buckets), or one bucket for PowerSGD on CPU ranks
+    (lowrank.powersgd_one_bucket, on by default; GPU ranks keep DDP's buckets).
+
+    Why: PowerSGD's hook waits for each bucket's collectives before it returns (three in a row:
+    the uncompressed tensors, P, Q; lowrank/powersgd.py says why it must), so every bucket is a
+    point inside the backward where each rank stops until the other ranks arrive. Ranks that
+    share cores with each other and with other jobs drift apart between such points, and each
+    one costs the drift (a 4 KB all-reduce: ~0.8 ms back to back, ~3.6 ms after 20 ms of compute
+    on each of 2 ranks on 2 shared cores; benchmarks/lowrank_sync_probe.py). With one bucket the
+    hook runs once, after the backward, and its three collectives follow each other with only
+    the compression between them: gpt_small's 13 collectives a step become 4. Measured at 2
+    ranks, that is a wash on a quiet machine (the hook computes ~0.04 s more in one bucket) and
+    13% faster with other jobs on the cores; the ranks meet once a step, as in the other modes.
+    On CPU ranks the all-reduce hides nothing behind the backward (dp_scaling.GLOO_CPU_OVERLAP),
+    so no overlap is lost. On GPUs the wait is a stream dependency, not a stop of the host, and
+    DDP's buckets let PowerSGD's collectives overlap the rest of the backward: they are kept."""
+    one = (cfg.lowrank.mode == "powersgd" and cfg.lowrank.powersgd_one_bucket
+           and device.type == "cpu")
+    return float(ONE_BUCKET_MB) if one else None
+
+
+def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device,
+              bucket_cap_mb: Optional[float] = None) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     return DistributedDataParallel(model, device_ids=ids,
                                    process_group=mesh.group("dp_replicate"),
-                                   broadcast_buffers=False)
+                                   broadcast_buffers=False, **kw)
 
 
 def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
@@ -127,7 +155,7 @@ def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
                        reshard_after_forward=layout.pp == 1)
             out.append(part)
         elif uses_ddp(layout):
-            out.append(apply_ddp(part, mesh, device))
+            out.append(apply_ddp(part, mesh, device, ddp_bucket_cap_mb(cfg, device)))
         else:
             out.append(part)
     return out
