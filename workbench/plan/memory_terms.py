@@ -17,6 +17,15 @@ from workbench.plan.software import Software
 LOSS_BYTES_PER_LOGIT = 12.0
 
 
+def loss_bytes_per_token(vocab: int, sw: Software, tp: np.ndarray, ga: np.ndarray
+                         ) -> np.ndarray:
+    """Bytes per token the loss holds on the last stage at its backward: a vocab-parallel loss
+    (Megatron, torchtitan) 1/tp of the vocabulary per rank, a gathered one all of it."""
+    if sw.gathered_logits:
+        return gathered_loss_bytes_per_logit(sw, ga) * vocab
+    return LOSS_BYTES_PER_LOGIT * vocab / tp
+
+
 def gathered_loss_bytes_per_logit(sw: Software, ga: np.ndarray) -> np.ndarray:
     """Bytes per logit of the full vocabulary alive on every TP rank at the loss backward of a
     stack that gathers the logits before an eager fp32 loss (Software.gathered_logits, the Aleph

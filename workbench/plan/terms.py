@@ -23,8 +23,11 @@ from workbench.plan.columns import Columns, Schedule
 from workbench.plan.gemm_tiles import tile_fill
 from workbench.plan.hardware import GpuSpec
 from workbench.plan.memory_terms import LOSS_BYTES_PER_LOGIT as LOSS_BYTES_PER_LOGIT  # re-export
-from workbench.plan.memory_terms import activation_bytes_per_token, state_bytes_per_param
-from workbench.plan.memory_terms import gathered_loss_bytes_per_logit
+from workbench.plan.memory_terms import (
+    activation_bytes_per_token,
+    loss_bytes_per_token,
+    state_bytes_per_param,
+)
 from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
 from workbench.plan.shapes import Linear, ModelShape, fp8_operand_elems
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
@@ -339,9 +342,7 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     factor, factor_mid = stages.inflight_per_layer(
         pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv,
         float(sw.pp_group))
-    logits = LOSS_BYTES_PER_LOGIT * tok * ms.vocab / tp  # last stage, vocab-parallel loss
-    if sw.gathered_logits:  # full vocabulary on every TP rank, plus the gathered 16-bit copies
-        logits = gathered_loss_bytes_per_logit(sw, ga) * tok * ms.vocab
+    logits = tok * loss_bytes_per_token(ms.vocab, sw, tp, ga)  # last stage
     # FSDP2 gathers one block at a time; inside a pipeline schedule it neither reshards after
     # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
