@@ -71,14 +71,17 @@ def test_separate_gate_and_up_projections_add_a_backward_all_reduce(sp: bool) ->
 
 def test_gathered_logits_are_not_divided_by_tp() -> None:
     """A vocab-parallel loss holds 1/tp of the logits per rank; gathering them first holds the
-    whole vocabulary on every rank, plus the gathered 16-bit copy (12 + 2 bytes per logit)."""
-    def logits_gib(tp: int, gathered: bool) -> float:
-        lay = Layout(dp_replicate=8 // tp, tp=tp, micro_batch=1, grad_accum=1)
+    whole vocabulary on every rank, plus the gathered 16-bit copy (12 + 2 bytes per logit), and
+    from the second micro-batch of a step on the previous one's copy still in the pipeline
+    engine's output buffer ring (+ 2)."""
+    def logits_gib(tp: int, gathered: bool, ga: int = 1) -> float:
+        lay = Layout(dp_replicate=8 // tp, tp=tp, micro_batch=1, grad_accum=ga)
         e = _est(lay, Software(gathered_logits=gathered), 8)
         return e.mem_bytes["mem_buffers_bytes"]  # pp 1, no FSDP, no recompute: the logits
 
     assert logits_gib(4, False) == pytest.approx(logits_gib(1, False) / 4)
     assert logits_gib(4, True) == pytest.approx(logits_gib(1, False) * 14 / 12)
+    assert logits_gib(4, True, ga=2) == pytest.approx(logits_gib(1, False) * 16 / 12)
 
 
 def test_llama3_rows_state_allgather_cp_and_no_tp_overlap() -> None:

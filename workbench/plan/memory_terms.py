@@ -11,6 +11,34 @@ from workbench.plan.columns import Recompute
 from workbench.plan.shapes import ModelShape
 from workbench.plan.software import Software
 
+# Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do): at the
+# start of the backward three fp32 tensors of the logits' size are alive at once: the saved
+# log-probabilities, the incoming gradient and the gradient log-softmax returns.
+LOSS_BYTES_PER_LOGIT = 12.0
+
+
+def loss_bytes_per_token(vocab: int, sw: Software, tp: np.ndarray, ga: np.ndarray
+                         ) -> np.ndarray:
+    """Bytes per token the loss holds on the last stage at its backward: a vocab-parallel loss
+    (Megatron, torchtitan) 1/tp of the vocabulary per rank, a gathered one all of it."""
+    if sw.gathered_logits:
+        return gathered_loss_bytes_per_logit(sw, ga) * vocab
+    return LOSS_BYTES_PER_LOGIT * vocab / tp
+
+
+def gathered_loss_bytes_per_logit(sw: Software, ga: np.ndarray) -> np.ndarray:
+    """Bytes per logit of the full vocabulary alive on every TP rank at the loss backward of a
+    stack that gathers the logits before an eager fp32 loss (Software.gathered_logits, the Aleph
+    Alpha scaling code): the fp32 loss's 12, this micro-batch's gathered 16-bit logits, and the
+    previous micro-batch's. Its pipeline engine keeps stage outputs in a ring of at least two
+    buffers (pipeline_schedule/train.py `required_buffer_count`: max(2, ...)); on the last stage
+    the output is the logits, which the loss reads with `get` and the backward never `take`s
+    (parallel_module.py `_execute_loss_fn`, `_execute_backward_pass`), so one older copy is
+    still allocated when this one's loss backward peaks (from the second of `ga` micro-batches
+    on: the ring is emptied at each step's start). tests/test_loss_memory.py measures these
+    ops' peak on CPU: 16 bytes per logit."""
+    return LOSS_BYTES_PER_LOGIT + sw.act_bytes * np.where(ga > 1, 2.0, 1.0)
+
 
 def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp: np.ndarray
                                ) -> dict[str, np.ndarray]:

@@ -22,7 +22,12 @@ from workbench.plan.coefficients import Coefficients
 from workbench.plan.columns import Columns, Schedule
 from workbench.plan.gemm_tiles import tile_fill
 from workbench.plan.hardware import GpuSpec
-from workbench.plan.memory_terms import activation_bytes_per_token, state_bytes_per_param
+from workbench.plan.memory_terms import LOSS_BYTES_PER_LOGIT as LOSS_BYTES_PER_LOGIT  # re-export
+from workbench.plan.memory_terms import (
+    activation_bytes_per_token,
+    loss_bytes_per_token,
+    state_bytes_per_param,
+)
 from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
 from workbench.plan.shapes import Linear, ModelShape, fp8_operand_elems
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
@@ -31,7 +36,6 @@ Arrays = dict[str, np.ndarray]
 # Adam step traffic per parameter: read+write fp32 master (8), m (8), v (8), read the fp32
 # gradient (4), write the 16-bit working copy (2), zero the gradient (4) -> bytes moved.
 OPTIMIZER_BYTES_PER_PARAM = 34.0
-LOSS_BYTES_PER_LOGIT = 12.0
 TIME_TERMS = ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_tp_comm_s", "time_cp_comm_s",
               "time_pp_p2p_s", "time_pp_bubble_s", "time_dp_comm_exposed_s", "time_optimizer_s")
 MEM_TERMS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
@@ -338,12 +342,7 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     factor, factor_mid = stages.inflight_per_layer(
         pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv,
         float(sw.pp_group))
-    # Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do):
-    # at the start of the backward three fp32 tensors of the logits' size are alive at once:
-    # the saved log-probabilities, the incoming gradient and the gradient log-softmax returns.
-    logits = LOSS_BYTES_PER_LOGIT * tok * ms.vocab / tp  # last stage
-    if sw.gathered_logits:  # full vocabulary on every TP rank, plus the gathered 16-bit copy
-        logits = (LOSS_BYTES_PER_LOGIT + e) * tok * ms.vocab
+    logits = tok * loss_bytes_per_token(ms.vocab, sw, tp, ga)  # last stage
     # FSDP2 gathers one block at a time; inside a pipeline schedule it neither reshards after
     # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
