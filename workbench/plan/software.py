@@ -108,6 +108,16 @@ class Software:
     # torch's ScheduleInterleaved1F1B). Smaller N holds fewer warm-up activations (Llama 3 paper
     # section 3.3.2 sets N freely; stages.inflight_per_layer).
     pp_group: int = 0
+    # Pipeline boundary traffic. Megatron scatters each boundary activation over the TP group
+    # (every TP rank sends 1/tp of it, all-gathered after the receive) and posts the send and
+    # the receive of a pass together (batched isend/irecv): 2 transfers of tok*h/tp on the
+    # critical path per micro-batch. Aleph Alpha scaling (nn/parallel_module/communicator.py
+    # `PipeCommunicator`) has every TP rank send the whole tensor with blocking
+    # torch.distributed.send / recv, one call after the other: 4 transfers of tok*h a
+    # micro-batch on a middle stage (receive the input, send the output, receive the output's
+    # gradient, send the input's gradient), none hidden.
+    p2p_tp_split: bool = True
+    p2p_blocking: bool = False
 
     # FlashAttention 1.x kernels rather than FlashAttention-2 (Hagemann et al.'s
     # "flash_attentionv1.0.8" rows): see Coefficients.flash1_rel_speed.

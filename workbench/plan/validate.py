@@ -98,6 +98,9 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
                   # the Aleph Alpha stack (separate gate/up linears) keeps eager copies
                   "unfused_swiglu": "separate-gate-up" in n,
                   "attention_copies": "separate-gate-up" in n,
+                  # ... and its pipeline sends whole tensors, blocking (Software.p2p_blocking)
+                  "p2p_tp_split": "separate-gate-up" not in n,
+                  "p2p_blocking": "separate-gate-up" in n,
                   "unfused_norm": "eager-elementwise" in n,
                   "pp_group": int(m.group(1)) if (m := re.search(r"pp-group=(\d+)", n)) else 0}
         return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
