@@ -45,6 +45,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
     "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
+    "benchmarks/store_create.py": ["--stores", "1"],
     "benchmarks/tracking_throughput.py": ["--steps", "200"],
     "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
     "benchmarks/hetero_cpu.py": ["--quick"],  # 4 layers, 3 steps; speed printed, not checked
