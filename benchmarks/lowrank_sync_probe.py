@@ -25,41 +25,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import List, Optional
 
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def _wait_child(rank: int, n: int, store: str, ns: Optional[List[str]], busy_ms: float,
-                iters: int, out: str) -> None:
-    import json
-
-    import torch
-    import torch.distributed as dist
-
-    from workbench.testing.netns import IFNAME, enter_namespace
-
-    if ns:
-        enter_namespace(ns[rank])
-    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME if ns else "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, n), rank=rank, world_size=n)
-    t, a = torch.ones(1024), torch.randn(256, 256)
-    times = []
-    for _ in range(iters + 5):
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < busy_ms / 1e3:
-            a @ a
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        times.append(time.perf_counter() - t0)
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times[5:], f)
+from workbench.testing.netns import timed_allreduce_child
 
 
 def _wait_once(busy_ms: float, iters: int, link: Optional[object]) -> List[float]:
@@ -68,7 +40,8 @@ def _wait_once(busy_ms: float, iters: int, link: Optional[object]) -> List[float
     store = tempfile.mktemp(prefix="wb-wait-")
     out = tempfile.mktemp(prefix="wb-wait-", suffix=".json")
     ns = getattr(link, "namespaces", None)
-    mp.spawn(_wait_child, args=(2, store, ns, busy_ms, iters, out), nprocs=2, join=True)
+    mp.spawn(timed_allreduce_child, args=(2, store, ns, 4096, iters, out, busy_ms), nprocs=2,
+             join=True)
     with open(out) as f:
         return sorted(json.load(f))
 

@@ -13,7 +13,6 @@ import sys
 import pytest
 from conftest import FAST
 
-
 N_RUNS = 8  # more than the cores, so that the processes truly overlap
 
 

@@ -218,21 +218,29 @@ def probe_bytes_per_s(link: LimitedLink, nbytes: int = 32 << 20) -> float:
         server.wait()
 
 
-def _small_allreduce_child(rank: int, n: int, store: str, namespaces: List[str], nbytes: int,
-                           iters: int, out: str) -> None:
+def timed_allreduce_child(rank: int, n: int, store: str, namespaces: Optional[List[str]],
+                          nbytes: int, iters: int, out: str, busy_ms: float = 0.0) -> None:
+    """One rank of a timed blocking gloo all-reduce loop (rank 0 writes the seconds of each to
+    `out`): in the link's namespaces, or on loopback when `namespaces` is None; `busy_ms` of
+    matrix products before each one lets the ranks drift apart as a training step's compute
+    does (benchmarks/lowrank_sync_probe.py)."""
     import json
     import time
 
     import torch
     import torch.distributed as dist
 
-    enter_namespace(namespaces[rank])
-    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME
+    if namespaces:
+        enter_namespace(namespaces[rank])
+    os.environ["GLOO_SOCKET_IFNAME"] = IFNAME if namespaces else "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, n), rank=rank, world_size=n)
-    t = torch.ones(max(1, nbytes // 4))
+    t, a = torch.ones(max(1, nbytes // 4)), torch.randn(256, 256)
     times = []
     for _ in range(iters + 5):  # five to open gloo's connections and warm TCP
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < busy_ms / 1e3:
+            a @ a
         t0 = time.perf_counter()
         dist.all_reduce(t)
         times.append(time.perf_counter() - t0)
@@ -255,7 +263,7 @@ def small_allreduce_s(link: LimitedLink, nbytes: int = 4096, iters: int = 60) ->
 
     store = tempfile.mktemp(prefix="wb-small-")
     out = tempfile.mktemp(prefix="wb-small-", suffix=".json")
-    mp.spawn(_small_allreduce_child, args=(link.n, store, link.namespaces, nbytes, iters, out),
+    mp.spawn(timed_allreduce_child, args=(link.n, store, link.namespaces, nbytes, iters, out),
              nprocs=link.n, join=True)
     with open(out) as f:
         times = json.load(f)
