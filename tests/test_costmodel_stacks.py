@@ -14,8 +14,9 @@ import pytest
 
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
+from workbench.plan.coefficients import coefficients
 from workbench.plan.costmodel import Estimate, estimate
-from workbench.plan.hardware import cluster_for
+from workbench.plan.hardware import cluster_for, spec_of_cluster
 from workbench.plan.terms import Software
 from workbench.plan.validate import _software, read_rows, row_case
 
@@ -108,3 +109,34 @@ def test_llama3_rows_state_allgather_cp_and_no_tp_overlap() -> None:
         case = row_case(row)
         assert case.software.cp_allgather and not case.software.overlap_tp
         assert case.layout.sequence_parallel
+
+
+MEGATRON_NOTES = "DP/TP/PP comm overlap on (--overlap-grad-reduce, --overlap-param-gather)"
+
+
+def test_megatron_loss_moves_52_bytes_per_logit_where_the_generic_count_has_24() -> None:
+    """Megatron-LM rows (and its 2021 FP16 rows) count the unfused vocab-parallel loss op by
+    op; the step grows by exactly the extra bytes over HBM on every micro-batch."""
+    sw = _software("BF16", MEGATRON_NOTES)
+    assert sw.loss_hbm_bytes_per_logit == 52.0
+    assert _software("FP16", "").loss_hbm_bytes_per_logit == 52.0
+    assert _software("BF16", "1D FSDP2", "FSDP2").loss_hbm_bytes_per_logit == 0.0
+    lay = Layout(dp_replicate=2, micro_batch=1, grad_accum=3)
+    base, megatron = (_est(lay, replace(sw, loss_hbm_bytes_per_logit=b), 2) for b in (0.0, 52.0))
+    cluster = cluster_for("A100-SXM-80GB", 2)
+    co, hw = coefficients(cluster), spec_of_cluster(cluster)[0]
+    generic = 3 * co.elem_traffic * 4.0  # forward once, backward twice
+    hbm = hw.hbm_bw_bytes_per_s * co.hbm_eff
+    extra = 3 * (52.0 - generic) * MODEL.seq_len * MODEL.vocab / hbm  # 3 micro-batches
+    assert megatron.step_time_s - base.step_time_s == pytest.approx(extra, rel=1e-9)
+
+
+def test_gpt_rows_untie_the_head_only_where_the_published_count_says_so() -> None:
+    """Megatron-LM's README GPT-1.7B (24 x 2048, 131k vocabulary) is 1.75B untied, 1.48B tied;
+    SC21's GPT-1.7B (24 x 2304, 51,200) is 1.65B tied, 1.77B untied; no count: tied."""
+    row = {"model": "GPT-1.7B", "n_layers": "24", "hidden": "2048", "n_heads": "16",
+           "vocab": "131072", "seq_len": "4096", "gpu_type": "H100 (80GB)", "n_gpus": "8",
+           "tp": "1", "pp": "1", "dp": "8", "precision": "BF16", "n_params": "1.7B"}
+    assert not row_case(row).model.tie_embeddings
+    assert row_case({**row, "hidden": "2304", "vocab": "51200"}).model.tie_embeddings
+    assert row_case({**row, "n_params": ""}).model.tie_embeddings

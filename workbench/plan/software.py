@@ -122,6 +122,23 @@ class Software:
     # FlashAttention 1.x kernels rather than FlashAttention-2 (Hagemann et al.'s
     # "flash_attentionv1.0.8" rows): see Coefficients.flash1_rel_speed.
     flash_v1: bool = False
+    # HBM bytes per logit (on one TP rank) that the loss moves in forward + backward, where the
+    # stack's loss code is known op by op; 0: the generic estimate (elementwise traffic on an
+    # fp32 copy of the logits). Megatron's unfused vocab-parallel cross-entropy (megatron/core/
+    # tensor_parallel/cross_entropy.py, the default without --cross-entropy-loss-fusion; the
+    # same ops in the 2021 mpu version) runs one kernel per op on fp32 logits: `.float()`
+    # (read 2, write 4), max (read 4), in-place subtract (8), exp in place (8), sum (read 4),
+    # in-place divide to the saved softmax (8) = 38 forward; backward `mul_` by the incoming
+    # gradient (8) and the cast back to the 16-bit logits' dtype (read 4, write 2) = 14: 52.
+    loss_hbm_bytes_per_logit: float = 0.0
+
+    def loss_fwd_bytes_per_logit(self, elem_traffic: float) -> float:
+        """HBM bytes per logit charged to the loss forward; the stage charges the backward
+        twice that (stages.stage_times), so an op-by-op total is split a third / two thirds.
+        Generic: `elem_traffic` round trips of an fp32 copy of the logits."""
+        if self.loss_hbm_bytes_per_logit:
+            return self.loss_hbm_bytes_per_logit / 3.0
+        return elem_traffic * 4.0
 
     @property
     def act_bytes(self) -> float:

@@ -203,7 +203,8 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
                    layer_f=mm_f + attn_f + elem_f + co.kernel_overhead_s,
                    layer_b=2 * mm_f + attn_bwd_factor(sw) * attn_f + 2 * elem_f
                    + 2 * co.kernel_overhead_s,
-                   head=head_f, loss=x.traffic * tok * 4.0 * ms.vocab / loss_tp / hbm)
+                   head=head_f,
+                   loss=sw.loss_fwd_bytes_per_logit(x.traffic) * tok * ms.vocab / loss_tp / hbm)
 
 
 @dataclass(frozen=True)

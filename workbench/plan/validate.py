@@ -21,10 +21,14 @@ from workbench.layout import validate as validate_layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.costmodel import Estimate, estimate
 from workbench.plan.hardware import GIB, cluster_for
+from workbench.plan.shapes import model_shape
 from workbench.plan.stages import parse_split
 from workbench.plan.terms import Software
 
 REQUIRED = ("n_layers", "hidden", "n_heads", "seq_len", "gpu_type", "n_gpus", "tp", "pp", "dp")
+# Megatron's unfused vocab-parallel cross-entropy: HBM bytes per logit, forward + backward
+# (counted op by op in Software.loss_hbm_bytes_per_logit).
+MEGATRON_LOSS_BYTES = 52.0
 PRED_COLUMNS = ("pred_step_time_s", "pred_tokens_per_s_per_gpu", "pred_tflops_per_gpu",
                 "pred_hw_tflops_per_gpu", "pred_mfu", "pred_peak_mem_gib", "pred_fits",
                 "pred_error")
@@ -86,7 +90,11 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
              # Megatron-Core / NeMo put CP ranks in the data-parallel group, not a shard group
              "cp_shards_params": torch_fsdp or zero3,
              # Megatron-Core's grad buffer is 16 bit unless told to accumulate in fp32
-             "grad_buffer_bytes": 2.0 if "grad-buffer-bf16" in n else 4.0}
+             "grad_buffer_bytes": 2.0 if "grad-buffer-bf16" in n else 4.0,
+             # Megatron-LM's own training script (its --overlap-grad-reduce flag; 2021 FP16
+             # rows): the unfused vocab-parallel cross-entropy, op by op (Software)
+             "loss_hbm_bytes_per_logit": MEGATRON_LOSS_BYTES
+             if "overlap-grad-reduce" in n or ("FP16" in p and not zero3) else 0.0}
     if "FP8" in p:
         return Software(precision="fp8", **facts,
                         fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
@@ -122,6 +130,20 @@ def _recompute(text: str) -> str:
     return "none"
 
 
+def _untied(published: str, model: ModelConfig) -> bool:
+    """Whether a GPT row's published parameter count ("1.7B", "462B") says the LM head is its
+    own matrix: the untied count is nearer to it than the tied one (Megatron-LM's README
+    table: 1.7B is 24 x 12h^2 + 2 x 131,072 h at h = 2,048, 1.75B; tied it would be 1.48B).
+    Without a count a GPT row stays tied, Megatron's default."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([BT])\s*", published.upper())
+    if not m:
+        return False
+    value = float(m.group(1)) * (1e12 if m.group(2) == "T" else 1e9)
+    ms = model_shape(model)
+    tied = ms.n_layers * ms.mean_layer_params() + ms.embed_params
+    return abs(tied + ms.vocab * ms.hidden - value) < abs(tied - value)
+
+
 def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case:
     """Typed inputs for one row; ValueError / KeyError / ConfigError say why it cannot be."""
     for key in REQUIRED:
@@ -136,6 +158,8 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
                         ffn_hidden=_int(row, "ffn_hidden", 4 * hidden),
                         vocab=_int(row, "vocab", 51200), seq_len=_int(row, "seq_len"),
                         tie_embeddings=not n_kv)
+    if not n_kv and _untied(row.get("n_params") or "", model):
+        model = ModelConfig(**{**model.__dict__, "tie_embeddings": False})
     n_gpus = _int(row, "n_gpus")
     cluster = cluster_for(row["gpu_type"], n_gpus, _int(row, "gpus_per_node", 8), coeff)
     tp, pp, dp = _int(row, "tp"), _int(row, "pp"), _int(row, "dp")
