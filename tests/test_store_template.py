@@ -11,15 +11,19 @@ from workbench.track import sqlite_template
 from workbench.track.store import client
 
 
-def _schema(db: Path) -> tuple[str, list[tuple[str, str]]]:
+def _schema(db: Path) -> tuple[str, list[tuple[str, list[str]]]]:
+    """Schema version and each table's and index's definition as a sorted list of its clauses:
+    Alembic's batch migrations write a rebuilt table's CHECK constraints in set order, which
+    differs between processes (string hashing), so two stores MLflow made can differ in it."""
     con = sqlite3.connect(db)
     try:
         version = con.execute("SELECT version_num FROM alembic_version").fetchone()[0]
-        tables = con.execute("SELECT name, sql FROM sqlite_master WHERE type IN ('table','index')"
-                             " AND name NOT LIKE 'sqlite_%' ORDER BY name").fetchall()
+        rows = con.execute("SELECT name, sql FROM sqlite_master WHERE type IN ('table','index')"
+                           " AND name NOT LIKE 'sqlite_%' ORDER BY name").fetchall()
     finally:
         con.close()
-    return version, tables
+    return version, [(name, sorted(c.strip().rstrip(",") for c in sql.splitlines()))
+                     for name, sql in rows]
 
 
 def test_a_new_store_is_the_store_mlflow_makes(workdir):
