@@ -1,7 +1,8 @@
 """Every layout on 4 gloo ranks (ddp, fsdp, tp, tp+sp, pp gpipe/1f1b, interleaved, dp x tp, pp x
-tp, fsdp x tp, and context parallel with fsdp, ddp, tp+sp and pp), recompute none and full:
-per-step losses and gradient norms equal the single-process run within 1e-5 relative. One spawned
-process group runs them all; slow (a few minutes on 2 cores) but part of CI."""
+tp, fsdp x tp, and context parallel with fsdp, ddp, tp+sp and pp), recompute none, and full
+where dimensions combine: per-step losses and gradient norms equal the single-process run within
+1e-5 relative. One spawned process group runs them all; slow (a few minutes on 2 cores) but part
+of CI."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_parallel import (
     RECOMPUTE,
     SINGLE_DIMENSION,
     assert_matches_single_process,
+    make_case,
     reference,
     run_matrix,
 )
@@ -34,16 +36,26 @@ LAYOUTS_4: Dict[str, List[str]] = {
 STEPS = ["train.steps=2"]
 
 
+# Recompute on one dimension alone is checked at world 2 (test_parallel.py, every mode); here it
+# runs where dimensions combine.
+CASES_4 = [(name, rc) for name in LAYOUTS_4 for rc in RECOMPUTE
+           if rc == "none" or name not in SINGLE_DIMENSION]
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel4")
-    return {"results": run_matrix(4, LAYOUTS_4, root, extra_overrides=STEPS),
-            "ref": reference(root, STEPS)}
+    combined = {n: ov for n, ov in LAYOUTS_4.items() if n not in SINGLE_DIMENSION}
+    single = [make_case(f"{n}-rc_none", 4, ov + ["layout.recompute=none", *STEPS], root / "ckpt")
+              for n, ov in SINGLE_DIMENSION.items()]
+    for case in single:
+        case.ckpt_dir = ""  # loss cases need no checkpoints
+    results = run_matrix(4, combined, root, extra_cases=single, extra_overrides=STEPS)
+    return {"results": results, "ref": reference(root, STEPS)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("name", list(LAYOUTS_4))
+@pytest.mark.parametrize(("name", "recompute"), CASES_4)
 def test_four_rank_losses_match_single_process(four_ranks, name, recompute):
     assert_matches_single_process(four_ranks["results"][f"{name}-rc_{recompute}"],
                                   four_ranks["ref"])
