@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FAST, cli, only_run
+from readme_blocks import block_with, make_clone, run_block
 
 from workbench.config import ConfigError, DataConfig
 from workbench.data.corpus import resolve_vocab
@@ -109,15 +110,19 @@ def test_mixture_report_fits_weights_to_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_mixture_sweep_attaches_the_report_to_the_parent(workdir):
-    """The recipe, reduced (3 trials of 10 steps on 300 kB per source), end to end."""
+def test_data_mixture_sweep_attaches_the_report_to_the_parent(workdir, monkeypatch):
+    """The README's recipe block, reduced (3 trials of 10 steps on 300 kB per source), end to
+    end."""
     import mlflow
 
-    out = cli("workbench.run", ["+sweep=data_mixture", "sweep.n_trials=3", "train.steps=10",
-                                "train.eval_every=5", "train.global_batch=8",
-                                "train.micro_batch=8", "data.max_bytes=300000"], workdir)
-    assert out.returncode == 0, out.stderr
+    clone = make_clone(workdir)
+    block = block_with("python -m workbench.run +sweep=data_mixture")
+    out = run_block(block, clone, ["sweep.n_trials=3", "train.steps=10", "train.eval_every=5",
+                                   "train.global_batch=8", "train.micro_batch=8",
+                                   "data.max_bytes=300000"])
+    assert out.returncode == 0, f"README {block.id} failed:\n{out.stderr[-4000:]}"
     assert "Best predicted mixture" in out.stdout
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{clone / 'mlflow.db'}")
     c = mlflow.MlflowClient()
     runs = c.search_runs([c.get_experiment_by_name("workbench").experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]

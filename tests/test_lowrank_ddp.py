@@ -1,13 +1,15 @@
 """`+sweep=lowrank_vs_fullrank`, scaled down (a tiny model, a few dozen steps), end to end: DDP on
 2 gloo ranks through torchrun, the four modes as child runs of one parent, measured bytes per
-step, the switch window, and the comparison report attached to the parent."""
+step, the switch window, and the comparison report attached to the parent. The sweep runs as
+the README's own block (with its report and `lowrank_switch.py`), at this test's scale."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import cli, metric_series
+from conftest import metric_series
+from readme_blocks import block_with, make_clone, run_block
 
 pytestmark = pytest.mark.slow
 
@@ -15,15 +17,19 @@ SMALL = ["model.n_layers=4", "model.hidden=64", "model.ffn_hidden=256", "model.s
          "train.steps=30", "train.global_batch=8", "train.micro_batch=4",
          "train.warmup_steps=3", "train.eval_every=10", "data.max_bytes=400000",
          "lowrank.keep_first_blocks=0", "lowrank.keep_last_blocks=0", "lowrank.check_every=2",
-         "lowrank.powersgd_start_iter=5", "sweep.name=lr_ci"]
+         "lowrank.powersgd_start_iter=5"]
 
 
-def test_lowrank_sweep_on_two_ddp_ranks(workdir):
+def test_lowrank_sweep_on_two_ddp_ranks(workdir, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    proc = cli("workbench.run", ["+sweep=lowrank_vs_fullrank", *SMALL], workdir, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    trials = json.loads((workdir / "sweeps" / "lr_ci" / "trials.json").read_text())
+    clone = make_clone(workdir)
+    block = block_with("python -m workbench.run +sweep=lowrank_vs_fullrank")
+    proc = run_block(block, clone, SMALL)
+    assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{clone / 'mlflow.db'}")
+    sweep = clone / "sweeps" / "lowrank_vs_fullrank"
+    trials = json.loads((sweep / "trials.json").read_text())
     assert sorted(t["status"] for t in trials.values()) == ["complete"] * 4
     runs = {t["params"]["lowrank.mode"]: t for t in trials.values()}
     c = MlflowClient()
@@ -57,7 +63,7 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir):
     assert series("powersgd", "comm/collectives_per_step")[-1] == 4
     # every mode logged val_loss at the same token budget; the parent holds the report
     assert all(len(series(m, "val_loss")) == 4 for m in runs)
-    parent = json.loads((workdir / "sweeps" / "lr_ci" / "plan.json").read_text())["parent_run_id"]
+    parent = json.loads((sweep / "plan.json").read_text())["parent_run_id"]
     files = {f.path for f in c.list_artifacts(parent, "report")}
     assert {"report/report.md", "report/report.html", "report/loss_vs_tokens.png",
             "report/signals_adaptive.png",
@@ -70,5 +76,5 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir):
                 "lowrank/rate/"):
         assert {k[len(sig):] for k in logged if k.startswith(sig)} == set(measured), sig
     assert "lowrank/switch_forced" in logged
-    md = (workdir / "sweeps" / "lr_ci" / "report" / "report.md").read_text()
+    md = (sweep / "report" / "report.md").read_text()
     assert all(f"| {m} |" in md for m in ("off", "adaptive", "fixed", "powersgd"))

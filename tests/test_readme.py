@@ -5,7 +5,9 @@ clone (benchmarks/, slurm/ and tracking/ linked from the repository, ../shared b
 writing its MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus
 cache.
 At CPU scale: `python -m workbench.run` gets a few steps, benchmarks get their smallest
-arguments (`SMALL` below); nothing else is changed. A marker line
+arguments (`SMALL` in readme_blocks.py); nothing else is changed. A block whose slow command is
+also a feature's end-to-end test (`CLAIMED`: the two sweeps) is run by that test instead, at its
+scale, with its checks on what the block left. A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
 
 - `install`: the first command; its install steps are what .ci/run (and the wheel test) do, so
@@ -23,125 +25,21 @@ import os
 import re
 import shlex
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import REPO, in_ci
-
-README = REPO / "README.md"
-TAGS = {"install", "ci", "slurm", "gpu", "network", "slow"}
-RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1",
-             "train.eval_batches=1"]
-SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1",
-               "train.eval_batches=1"]
-STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (conftest.FAST)
-SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
-    "benchmarks/loop_overhead.py": ["--steps", "6", "--trials", "1"],  # > its 5 warm-up steps
-    "benchmarks/parallel_cpu.py": ["--steps", "2"],
-    "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
-                                  "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
-    "benchmarks/lowrank_switch.py": ["--steps", "60"],  # gpt_tiny, 4 runs to their switch
-    "benchmarks/sweep_overhead.py": ["--trials", "4"],
-    "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
-    "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
-    "benchmarks/store_create.py": ["--stores", "1"],
-    "benchmarks/tracking_throughput.py": ["--steps", "200"],
-    "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
-    "benchmarks/hetero_cpu.py": ["--quick"],  # 4 layers, 3 steps; speed printed, not checked
-    "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
-    "benchmarks/lowrank_sync_probe.py": ["--busy-ms", "0", "--iters", "20", "--rounds", "1",
-                                        "--steps", "4"],
-}
-
-
-@dataclass
-class Block:
-    line: int  # 1-based line of the opening fence
-    tags: set[str]
-    commands: list[str]  # continuation lines joined
-
-    @property
-    def id(self) -> str:
-        return f"L{self.line}"
-
-
-def blocks(text: str) -> list[Block]:
-    """Every ```bash block with the tags of the marker line before it."""
-    lines = text.splitlines()
-    out, i = [], 0
-    while i < len(lines):
-        if lines[i].strip() == "```bash":
-            tags: set[str] = set()
-            j = i - 1
-            while j >= 0 and not lines[j].strip():
-                j -= 1
-            m = re.fullmatch(r"<!--\s*readme:\s*([\w\s-]+?)\s*-->", lines[j].strip()) \
-                if j >= 0 else None
-            if m:
-                tags = set(m.group(1).split())
-            end = lines.index("```", i + 1)
-            out.append(Block(i + 1, tags, _commands(lines[i + 1:end])))
-            i = end
-        i += 1
-    return out
-
-
-def _commands(body: list[str]) -> list[str]:
-    """Commands of a block: continuation lines joined, a here-document kept whole."""
-    cmds, cur, heredoc = [], "", None
-    for raw in body:
-        line = raw.rstrip()
-        if heredoc is not None:
-            cur += "\n" + line
-            if line.strip() == heredoc:
-                cmds.append(cur)
-                cur, heredoc = "", None
-            continue
-        if line.endswith("\\"):
-            cur += line[:-1] + " "
-            continue
-        cur += line
-        m = re.search(r"<<-?\s*'?(\w+)'?", cur)
-        if m:
-            heredoc = m.group(1)
-            continue
-        if cur.strip() and not cur.strip().startswith("#"):
-            cmds.append(cur.strip())
-        cur = ""
-    if heredoc is not None:  # bash would run nothing after it: say so instead of passing
-        raise ValueError(f"here-document {heredoc!r} is never closed: {cur.splitlines()[0]!r}")
-    return cmds
-
-
-def scaled(cmd: str) -> str:
-    """The command at CPU scale; a trailing comment is dropped."""
-    if "\n" in cmd:  # a here-document runs as written
-        return cmd
-    words = shlex.split(cmd, comments=True)
-    if words[:3] == ["python", "-m", "workbench.run"]:
-        small = SWEEP_SMALL if any(w.lstrip("+").startswith("sweep=") for w in words) \
-            else RUN_SMALL
-        if not any(w.startswith(("data=tokens", "data.path", "data.max_bytes")) for w in words):
-            small = small + STDLIB_SMALL  # the embedded corpus (and its BPE), at test size
-        keys = {s.split("=")[0] for s in small}
-        words = [w for w in words if w.split("=")[0] not in keys] + small
-    elif len(words) >= 2 and words[0] == "python" and words[1] in SMALL:
-        words = words + SMALL[words[1]]
-    if "$(" in cmd:
-        return cmd.split(" #")[0]
-    # a word with $VAR expands as it would in the README (double quotes), the rest stay literal
-    return " ".join(f'"{w}"' if "$" in w and not set(w) & set('"`\\') else shlex.quote(w)
-                    for w in words)
-
-
-def _install_tail(cmd: str) -> str:
-    steps = [s.strip() for s in cmd.split("&&")]
-    keep = [s for s in steps if not s.startswith(("python3 -m venv", ". .venv", "pip install"))]
-    return " && ".join(scaled(s) for s in keep)
-
-
-ALL = blocks(README.read_text())
+from readme_blocks import (
+    ALL,
+    CLAIMED,
+    README,
+    TAGS,
+    Block,
+    block_with,
+    claimed_by,
+    make_clone,
+    run_block,
+)
 
 
 def test_readme_has_blocks_and_known_tags():
@@ -156,7 +54,7 @@ def test_readme_has_blocks_and_known_tags():
 
 def _params():
     for b in ALL:
-        if "ci" in b.tags:
+        if "ci" in b.tags or claimed_by(b):  # the test suite's own command / a feature test's
             continue
         marks = [getattr(pytest.mark, t) for t in ("slurm", "slow") if t in b.tags]
         yield pytest.param(b, id=b.id, marks=marks)
@@ -164,15 +62,7 @@ def _params():
 
 @pytest.fixture
 def clone(workdir) -> Path:
-    """A folder laid out like a user's clone: the repository's scripts, ../shared beside it."""
-    root = workdir / "clone"
-    root.mkdir()
-    for name in ("benchmarks", "slurm", "tracking", ".ci"):
-        (root / name).symlink_to(REPO / name)
-    shared = REPO.parent / "shared"
-    if shared.is_dir():
-        (workdir / "shared").symlink_to(shared)
-    return root
+    return make_clone(workdir)
 
 
 def _compose_only(block: Block, cwd: Path) -> None:
@@ -198,14 +88,16 @@ def test_readme_block_runs(block: Block, clone: Path):
     if block.tags & {"gpu", "network"}:
         _compose_only(block, clone)
         return
-    cmds = [_install_tail(c) for c in block.commands] if "install" in block.tags \
-        else [scaled(c) for c in block.commands]
-    script = "set -euo pipefail\n" + "\n".join(
-        f"echo \"+ [$SECONDS s] \"{shlex.quote(c.splitlines()[0])} >&2\n{c}" for c in cmds) + "\n"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # ./mlflow.db
-    proc = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True,
-                          timeout=1500, env=env)
+    proc = run_block(block, clone)
     assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+
+
+def test_claimed_blocks_are_run_by_their_tests():
+    """A block left to a feature's test is still executed: that test runs it by its needle."""
+    for needle, path in CLAIMED.items():
+        block = block_with(needle)
+        assert "slow" in block.tags, block.id  # runs in CI like the others, not a gpu block
+        assert f'block_with("{needle}")' in (REPO / path).read_text(), (needle, path)
 
 
 def test_reading_the_code_lists_every_module_once():

@@ -1,0 +1,181 @@
+"""The README's bash blocks as data: parsed, scaled to CPU size and run as a user would type them.
+
+`tests/test_readme.py` runs every block; a feature's end-to-end test that would repeat a block's
+slow command (a whole sweep) instead runs the block itself through `run_block` with its own
+scale, then checks what the block left (`CLAIMED`), so CI runs that command once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from conftest import REPO
+
+README = REPO / "README.md"
+TAGS = {"install", "ci", "slurm", "gpu", "network", "slow"}
+RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1",
+             "train.eval_batches=1"]
+SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1",
+               "train.eval_batches=1"]
+STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (conftest.FAST)
+SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
+    "benchmarks/loop_overhead.py": ["--steps", "6", "--trials", "1"],  # > its 5 warm-up steps
+    "benchmarks/parallel_cpu.py": ["--steps", "2"],
+    "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
+                                  "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
+    "benchmarks/lowrank_switch.py": ["--steps", "60"],  # gpt_tiny, 4 runs to their switch
+    "benchmarks/sweep_overhead.py": ["--trials", "4"],
+    "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
+    "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
+    "benchmarks/store_create.py": ["--stores", "1"],
+    "benchmarks/tracking_throughput.py": ["--steps", "200"],
+    "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
+    "benchmarks/hetero_cpu.py": ["--quick"],  # 4 layers, 3 steps; speed printed, not checked
+    "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
+    "benchmarks/lowrank_sync_probe.py": ["--busy-ms", "0", "--iters", "20", "--rounds", "1",
+                                        "--steps", "4"],
+}
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    tags: set[str]
+    commands: list[str]  # continuation lines joined
+
+    @property
+    def id(self) -> str:
+        return f"L{self.line}"
+
+
+def blocks(text: str) -> list[Block]:
+    """Every ```bash block with the tags of the marker line before it."""
+    lines = text.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```bash":
+            tags: set[str] = set()
+            j = i - 1
+            while j >= 0 and not lines[j].strip():
+                j -= 1
+            m = re.fullmatch(r"<!--\s*readme:\s*([\w\s-]+?)\s*-->", lines[j].strip()) \
+                if j >= 0 else None
+            if m:
+                tags = set(m.group(1).split())
+            end = lines.index("```", i + 1)
+            out.append(Block(i + 1, tags, _commands(lines[i + 1:end])))
+            i = end
+        i += 1
+    return out
+
+
+def _commands(body: list[str]) -> list[str]:
+    """Commands of a block: continuation lines joined, a here-document kept whole."""
+    cmds, cur, heredoc = [], "", None
+    for raw in body:
+        line = raw.rstrip()
+        if heredoc is not None:
+            cur += "\n" + line
+            if line.strip() == heredoc:
+                cmds.append(cur)
+                cur, heredoc = "", None
+            continue
+        if line.endswith("\\"):
+            cur += line[:-1] + " "
+            continue
+        cur += line
+        m = re.search(r"<<-?\s*'?(\w+)'?", cur)
+        if m:
+            heredoc = m.group(1)
+            continue
+        if cur.strip() and not cur.strip().startswith("#"):
+            cmds.append(cur.strip())
+        cur = ""
+    if heredoc is not None:  # bash would run nothing after it: say so instead of passing
+        raise ValueError(f"here-document {heredoc!r} is never closed: {cur.splitlines()[0]!r}")
+    return cmds
+
+
+def scaled(cmd: str, extra: List[str] = ()) -> str:
+    """The command at CPU scale (a `workbench.run` command then takes `extra` overrides, which
+    win over the standard small ones); a trailing comment is dropped."""
+    if "\n" in cmd:  # a here-document runs as written
+        return cmd
+    words = shlex.split(cmd, comments=True)
+    if words[:3] == ["python", "-m", "workbench.run"]:
+        small = SWEEP_SMALL if any(w.lstrip("+").startswith("sweep=") for w in words) \
+            else RUN_SMALL
+        if not any(w.startswith(("data=tokens", "data.path", "data.max_bytes")) for w in words):
+            small = small + STDLIB_SMALL  # the embedded corpus (and its BPE), at test size
+        small = [w for w in small if w.split("=")[0] not in {e.split("=")[0] for e in extra}]
+        small = small + list(extra)
+        keys = {s.split("=")[0] for s in small}
+        words = [w for w in words if w.split("=")[0] not in keys] + small
+    elif len(words) >= 2 and words[0] == "python" and words[1] in SMALL:
+        words = words + SMALL[words[1]]
+    if "$(" in cmd:
+        return cmd.split(" #")[0]
+    # a word with $VAR expands as it would in the README (double quotes), the rest stay literal
+    return " ".join(f'"{w}"' if "$" in w and not set(w) & set('"`\\') else shlex.quote(w)
+                    for w in words)
+
+
+def _install_tail(cmd: str) -> str:
+    steps = [s.strip() for s in cmd.split("&&")]
+    keep = [s for s in steps if not s.startswith(("python3 -m venv", ". .venv", "pip install"))]
+    return " && ".join(scaled(s) for s in keep)
+
+
+
+
+ALL = blocks(README.read_text())
+
+# A block whose slow command is also a feature's end-to-end test: that test runs the block
+# (`run_block`, at its own scale) and checks what it left, and test_readme does not run it again.
+# needle (a command's words) -> the test file that runs the block holding it
+CLAIMED: Dict[str, str] = {
+    "python -m workbench.run +sweep=lowrank_vs_fullrank": "tests/test_lowrank_ddp.py",
+    "python -m workbench.run +sweep=data_mixture": "tests/test_data_mixture.py",
+}
+
+
+def block_with(needle: str) -> Block:
+    """The one block with a command that starts with `needle`."""
+    found = [b for b in ALL if any(c.startswith(needle) for c in b.commands)]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} README blocks run {needle!r}")
+    return found[0]
+
+
+def claimed_by(block: Block) -> Optional[str]:
+    return next((f for n, f in CLAIMED.items() if block_with(n) is block), None)
+
+
+def make_clone(workdir: Path) -> Path:
+    """A folder laid out like a user's clone: the repository's scripts, ../shared beside it."""
+    root = workdir / "clone"
+    root.mkdir()
+    for name in ("benchmarks", "slurm", "tracking", ".ci"):
+        (root / name).symlink_to(REPO / name)
+    shared = REPO.parent / "shared"
+    if shared.is_dir():
+        (workdir / "shared").symlink_to(shared)
+    return root
+
+
+def run_block(block: Block, clone: Path, extra: List[str] = ()) -> subprocess.CompletedProcess:
+    """The block as one bash script (`set -e`) in the clone, writing ./mlflow.db there as a
+    user's run does; every `workbench.run` in it takes `extra` overrides."""
+    cmds = [_install_tail(c) for c in block.commands] if "install" in block.tags \
+        else [scaled(c, extra) for c in block.commands]
+    script = "set -euo pipefail\n" + "\n".join(
+        f"echo \"+ [$SECONDS s] \"{shlex.quote(c.splitlines()[0])} >&2\n{c}" for c in cmds) + "\n"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # ./mlflow.db
+    return subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True,
+                          timeout=1500, env=env)
