@@ -61,9 +61,9 @@ def _measured_bytes_per_logit(tokens: int) -> float:
 def test_gathered_loss_itemization_matches_the_ops_peak() -> None:
     """The ops' peak above what was alive before (the stale buffer of the previous micro-batch:
     2 bytes) is this micro-batch's logits and the three fp32 tensors of the loss backward: 14;
-    with the stale copy the 16 the cost model counts from the second micro-batch on. The
-    misses of the full-recompute hagemann2023 layouts would need ~70 (README), which these
-    ops do not allocate."""
+    with the stale copy the 16 the cost model counts from the second micro-batch on. With the
+    rows' 128k vocabulary, every full-recompute hagemann2023 layout that ran tolerates >= 16.1
+    bytes per logit (README), so these ops account for its loss."""
     itemized = float(gathered_loss_bytes_per_logit(Software(gathered_logits=True),
                                                    np.array([4.0]))[0])
     measured = _measured_bytes_per_logit(1024) + 2.0

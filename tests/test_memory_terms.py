@@ -20,7 +20,8 @@ def _est(sw: Software, lay: Layout):
 
 
 def test_unfused_ops_add_their_saved_tensors_and_no_time() -> None:
-    """An eager RMSNorm keeps its normalized tensor (2 a layer, h wide), an eager SwiGLU one
+    """An eager RMSNorm keeps an fp32 copy of its input and the normalized tensor where a fused
+    one keeps the 16-bit input (4 + 2 - 2 bytes, 2 a layer, h wide), an eager SwiGLU one
     more ffn-wide tensor, eager attention 3 copies of the Q width: exactly those bytes per
     token, layer and micro-batch in flight are added to the activations, split over TP where
     the tensor is, and the step time does not move (the unfused kernels' traffic is a time
@@ -30,7 +31,7 @@ def test_unfused_ops_add_their_saved_tensors_and_no_time() -> None:
     tok, e, tp = c.seq_len, 2.0, 2
     base = _est(BASE, lay)
     per_layer_mb = {
-        "unfused_norm": 2 * e * c.hidden,  # no sequence parallel: replicated over TP
+        "unfused_norm": 2 * (4.0 + e - e) * c.hidden,  # no sequence parallel: replicated over TP
         "unfused_swiglu": e * c.ffn_hidden / tp,
         "attention_copies": 3 * e * c.hidden / tp,  # q_width == hidden for Llama 3 8B
     }
@@ -41,6 +42,15 @@ def test_unfused_ops_add_their_saved_tensors_and_no_time() -> None:
         # first stage: 16 layers x 2 micro-batches in flight under 1F1B
         assert math.isclose(added, extra_per_token * tok * 16 * 2, rel_tol=1e-9), flag
         assert est.peak_mem_bytes > base.peak_mem_bytes
+
+
+def test_eager_norm_keeps_an_fp32_copy_unless_training_in_fp32() -> None:
+    """`_norm(x.float()).type_as(x) * weight` saves the fp32 copy and the cast-back normalized
+    tensor (16-bit: 4 + 2 bytes an element); in fp32 `.float()` is the input itself (4 + 4)."""
+    from workbench.plan.memory_terms import eager_norm_bytes_per_elem
+
+    assert eager_norm_bytes_per_elem(2.0) == 6.0
+    assert eager_norm_bytes_per_elem(4.0) == 8.0
 
 
 def test_published_stack_notes_set_the_unfused_facts() -> None:

@@ -15,6 +15,7 @@ from workbench.plan.software import Software
 # start of the backward three fp32 tensors of the logits' size are alive at once: the saved
 # log-probabilities, the incoming gradient and the gradient log-softmax returns.
 LOSS_BYTES_PER_LOGIT = 12.0
+FP32_BYTES = 4.0
 
 
 def loss_bytes_per_token(vocab: int, sw: Software, tp: np.ndarray, ga: np.ndarray
@@ -51,11 +52,11 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
     rep = e * h * 4 + 2 * h * mask  # 2 norm inputs, qkv input, mlp input; 2 dropout masks
     split = e * (2 * ms.q_width + 2 * ms.kv_width) + e * ms.ffn_hidden * (3 if ms.gated_mlp else 2)
     # Kept only because ops are not fused (memory, not extra HBM traffic: the elementwise time
-    # already counts eager kernels by Coefficients.eager_elem_factor): an unfused RMSNorm's
-    # `normalized * weight` keeps the normalized input beside the norm's input, twice a layer;
-    # an unfused SwiGLU keeps one more ffn-wide tensor (mlp_tensors); Software.attention_copies
-    # three of the Q width.
-    unfused_rep = 2 * e * h if sw.unfused_norm else 0.0
+    # already counts eager kernels by Coefficients.eager_elem_factor): an unfused RMSNorm keeps
+    # what eager_norm_bytes_per_elem says, twice a layer, where `rep` counts a fused norm's
+    # 16-bit input; an unfused SwiGLU keeps one more ffn-wide tensor (mlp_tensors);
+    # Software.attention_copies three of the Q width.
+    unfused_rep = 2 * h * (eager_norm_bytes_per_elem(e) - e) if sw.unfused_norm else 0.0
     unfused_split = e * ms.ffn_hidden * (mlp_tensors(ms, sw) - (3 if ms.gated_mlp else 2)) \
         + (e * 3 * ms.q_width if sw.attention_copies else 0.0)
     if sw.flash_attention:
@@ -65,6 +66,18 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
     rep_div = np.where(sp > 0, tp, 1.0)
     return {"rep": rep / rep_div, "split": split / tp, "quad": quad / tp, "input": e * h / rep_div,
             "unfused": unfused_rep / rep_div + unfused_split / tp}
+
+
+def eager_norm_bytes_per_elem(e: float) -> float:
+    """Bytes per hidden element one eager RMSNorm keeps for the backward, e the activations'
+    bytes. The Aleph Alpha stack's torch path (nn/norm/rms_norm.py at commit 7848929, the public
+    version that still has the paper's `flash_attn_rms_norm` kernel option beside it) computes
+    `self._norm(x.float()).type_as(x) * weight`: `pow` and the multiply by 1/rms save the fp32
+    copy of the input (4 bytes), the product with the weight saves the normalized tensor cast
+    back (e); the 16-bit input itself is saved by nothing (`.float()` needs no input for its
+    backward). The fused kernel (and Korthikanti's count) keeps the 16-bit input only (e).
+    In fp32 training `.float()` is the input itself: e + e, input and normalized tensor."""
+    return FP32_BYTES + e if e < FP32_BYTES else 2 * e
 
 
 def mlp_tensors(ms: ModelShape, sw: Software) -> int:
