@@ -70,17 +70,22 @@ def test_separate_gate_and_up_projections_add_a_backward_all_reduce(sp: bool) ->
     assert three == pytest.approx(two if sp else two * 5 / 4, rel=1e-9)
 
 
-def test_whole_tensor_blocking_pipeline_sends_cost_2tp_times_megatrons() -> None:
+@pytest.mark.parametrize("pp, transfers", [(2, 2), (4, 4)])
+def test_whole_tensor_blocking_pipeline_sends_cost_tp_times_the_transfers(pp: int,
+                                                                          transfers: int) -> None:
     """Megatron sends 1/tp of a boundary activation per TP rank, send and receive posted
     together (2 transfers a micro-batch); the scaling codebase sends the whole tensor from every
-    TP rank with blocking send/recv (4): 2*tp times the bytes on the critical path."""
-    lay = Layout(dp_replicate=1, tp=4, pp=2, micro_batch=1, grad_accum=4)
+    TP rank with blocking send/recv: 4 transfers on a middle stage, 2 where every stage is an
+    end stage (pp 2). tp * transfers / 2 times the bytes on the critical path."""
+    lay = Layout(dp_replicate=1, tp=4, pp=pp, micro_batch=1, grad_accum=4)
     sw = _software("BF16", SCALING_NOTES, "ZeRO-1 (optimizer states sharded over dp)")
     assert not sw.p2p_tp_split and sw.p2p_blocking
-    split = _est(lay, Software(), 8).time_s["time_pp_p2p_s"]
-    whole = _est(lay, Software(p2p_tp_split=False, p2p_blocking=True), 8).time_s["time_pp_p2p_s"]
-    # a fixed per-transfer latency (p2p_latency_s) keeps the ratio under 2*tp
-    assert 0 < split and lay.tp < whole / split <= 2 * lay.tp
+    split = _est(lay, Software(), 4 * pp).time_s["time_pp_p2p_s"]
+    whole = _est(lay, Software(p2p_tp_split=False, p2p_blocking=True), 4 * pp
+                 ).time_s["time_pp_p2p_s"]
+    bytes_ratio = lay.tp * transfers / 2
+    # a fixed per-transfer latency (p2p_latency_s) keeps the ratio under the bytes' ratio
+    assert 0 < split and bytes_ratio / 2 < whole / split <= bytes_ratio
 
 
 def test_gathered_logits_are_not_divided_by_tp() -> None:

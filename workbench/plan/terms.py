@@ -283,7 +283,8 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
         x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
     bw_pp = _bw(2, a["tp"] * x.dpr * x.dps, hw, co)  # neighbours one stage apart
     p2p_bytes = x.tok * float(ms.hidden) * e / (a["tp"] if sw.p2p_tp_split else 1.0)
-    transfers = 4.0 if sw.p2p_blocking else 2.0  # see Software.p2p_blocking
+    # see Software.p2p_blocking: a middle stage waits on 4 blocking transfers, an end stage 2
+    transfers = np.where(pp > 2, 4.0, 2.0) if sw.p2p_blocking else 2.0
     t_p2p = np.where(a["pp"] > 1, transfers * x.vv * (p2p_bytes / bw_pp + co.p2p_latency_s), 0.0)
     p_layer = ms.mean_layer_params()
     p_ranks, p_mp = stages.rank_params(x.ranks, pp, p_layer, ms.embed_params, ms.head_params,
