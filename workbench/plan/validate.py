@@ -11,7 +11,7 @@ import csv
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from workbench.cli import ArgParser, InputError, guarded
@@ -20,6 +20,7 @@ from workbench.layout import Layout
 from workbench.layout import validate as validate_layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.costmodel import Estimate, estimate
+from workbench.plan.fabric import inter_node_gbps_per_gpu
 from workbench.plan.hardware import GIB, cluster_for
 from workbench.plan.shapes import model_shape
 from workbench.plan.stages import parse_split
@@ -162,6 +163,9 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
         model = ModelConfig(**{**model.__dict__, "tie_embeddings": False})
     n_gpus = _int(row, "n_gpus")
     cluster = cluster_for(row["gpu_type"], n_gpus, _int(row, "gpus_per_node", 8), coeff)
+    nic = inter_node_gbps_per_gpu(row.get("interconnect") or "", cluster.gpus_per_node)
+    if nic is not None:  # the source states its fabric (workbench.plan.fabric)
+        cluster = replace(cluster, inter_node_gbps=nic)
     tp, pp, dp = _int(row, "tp"), _int(row, "pp"), _int(row, "dp")
     cpsp = (row.get("cp_or_sp") or "").upper()
     m = re.search(r"CP\s*=\s*(\d+)", cpsp)
