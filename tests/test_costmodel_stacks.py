@@ -145,3 +145,21 @@ def test_gpt_rows_untie_the_head_only_where_the_published_count_says_so() -> Non
     assert not row_case(row).model.tie_embeddings
     assert row_case({**row, "hidden": "2304", "vocab": "51200"}).model.tie_embeddings
     assert row_case({**row, "n_params": ""}).model.tie_embeddings
+
+
+def test_an_rms_kernel_leaves_the_other_elementwise_ops_eager() -> None:
+    """Aleph Alpha's RMS kernel replaces the norm only: SwiGLU (`silu(x) * gate`) and RoPE stay
+    eager, so its rows pay the eager factor on the TP-split ops and not on the norms, and their
+    forward lies between the fused stack's and the all-eager one's."""
+    rms = _software("BF16", SCALING_NOTES + "; kernel flash_attention2 + RMS kernel", "ZeRO-1")
+    no_kernel = _software("BF16", SCALING_NOTES + "; eager-elementwise", "ZeRO-1")
+    assert rms.eager and rms.norm_kernel
+    assert no_kernel.eager and not no_kernel.norm_kernel
+    assert not _software("BF16", "--overlap-param-gather", "").eager
+    lay = Layout(dp_replicate=2, tp=4, micro_batch=1, grad_accum=2)
+
+    def fwd(sw: Software) -> float:
+        return _est(lay, sw, 8).time_s["time_fwd_s"]
+
+    assert fwd(Software()) < fwd(Software(eager=True, norm_kernel=True)) \
+        < fwd(Software(eager=True))

@@ -35,6 +35,12 @@ class Software:
     # PyTorch eager elementwise ops (one kernel per op, FP32 upcasts in norms/RoPE); False: the
     # fused kernels of Megatron/Transformer Engine (or compiled, see above).
     eager: bool = False
+    # With `eager`: the norms run as one fused kernel while the other elementwise ops stay
+    # eager, so only the TP-split part (SiLU, gate multiply, RoPE) pays the eager factor. Aleph
+    # Alpha scaling with its RMS kernel: the kernel replaces the RMSNorm only; nn/mlp.py
+    # `_standard_siglu_forward` (`silu(x) * gate`) and nn/rotary.py (an fp32 complex multiply)
+    # stay eager PyTorch whichever norm kernel runs.
+    norm_kernel: bool = False
     # FP8 scaling granularity (torchao): "tensorwise" (one scale per tensor; the producer's
     # kernel fuses amax and cast, and TP all-gathers travel in FP8) or "rowwise" (one scale per
     # row: separate amax/cast kernels per operand and axis, TP all-gathers stay in BF16).

@@ -121,7 +121,8 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
     traffic, traffic_rep = (co.elem_traffic * (co.compile_elem_factor if sw.compiled else f
                                                if sw.eager else 1.0)
-                            for f in (co.eager_elem_factor, co.eager_rep_factor))
+                            for f in (co.eager_elem_factor, 1.0 if sw.norm_kernel
+                                      else co.eager_rep_factor))
     cp_shard = a["cp"] if sw.cp_shards_params else 1.0
     return Setup(a=a, dps=a["dps"] * cp_shard, dpr=a["dpr"] * (a["cp"] / cp_shard), tok=tok,
                  ls=ls, ranks=ranks,

@@ -111,6 +111,9 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
                   "p2p_tp_split": "separate-gate-up" not in n,
                   "p2p_blocking": "separate-gate-up" in n,
                   "unfused_norm": "eager-elementwise" in n,
+                  # its SwiGLU and RoPE are eager with or without the RMS kernel (Software)
+                  "eager": facts["eager"] or "separate-gate-up" in n,
+                  "norm_kernel": "separate-gate-up" in n and "eager-elementwise" not in n,
                   "pp_group": int(m.group(1)) if (m := re.search(r"pp-group=(\d+)", n)) else 0}
         return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
                         grad_reduce_bytes=4.0, **facts)
