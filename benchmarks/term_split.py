@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.cli import guarded
 from workbench.plan.validate import predict_case, read_rows, row_case
 
 # The model's step-time terms, grouped: the compute of a micro-batch's passes, then each kind
@@ -89,4 +90,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(guarded(main)(sys.argv[1:]))

@@ -65,3 +65,12 @@ def test_the_documented_command_prints_the_split(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("all") and " 257 rows" in out[0] and "dp x" in out[0]
     assert any(line.startswith("32 nodes") for line in out)
+
+
+def test_a_missing_csv_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from workbench.cli import guarded
+
+    with pytest.raises(SystemExit) as e:
+        guarded(_module().main)(["--csv", "/nonexistent.csv", "--source", "hagemann2023"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--csv" in err[0]
