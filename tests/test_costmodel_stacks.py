@@ -71,17 +71,22 @@ def test_separate_gate_and_up_projections_add_a_backward_all_reduce(sp: bool) ->
     assert three == pytest.approx(two if sp else two * 5 / 4, rel=1e-9)
 
 
-def test_whole_tensor_blocking_pipeline_sends_cost_2tp_times_megatrons() -> None:
+@pytest.mark.parametrize("pp, transfers", [(2, 2), (4, 4)])
+def test_whole_tensor_blocking_pipeline_sends_cost_tp_times_the_transfers(pp: int,
+                                                                          transfers: int) -> None:
     """Megatron sends 1/tp of a boundary activation per TP rank, send and receive posted
     together (2 transfers a micro-batch); the scaling codebase sends the whole tensor from every
-    TP rank with blocking send/recv (4): 2*tp times the bytes on the critical path."""
-    lay = Layout(dp_replicate=1, tp=4, pp=2, micro_batch=1, grad_accum=4)
+    TP rank with blocking send/recv: 4 transfers on a middle stage, 2 where every stage is an
+    end stage (pp 2). tp * transfers / 2 times the bytes on the critical path."""
+    lay = Layout(dp_replicate=1, tp=4, pp=pp, micro_batch=1, grad_accum=4)
     sw = _software("BF16", SCALING_NOTES, "ZeRO-1 (optimizer states sharded over dp)")
     assert not sw.p2p_tp_split and sw.p2p_blocking
-    split = _est(lay, Software(), 8).time_s["time_pp_p2p_s"]
-    whole = _est(lay, Software(p2p_tp_split=False, p2p_blocking=True), 8).time_s["time_pp_p2p_s"]
-    # a fixed per-transfer latency (p2p_latency_s) keeps the ratio under 2*tp
-    assert 0 < split and lay.tp < whole / split <= 2 * lay.tp
+    split = _est(lay, Software(), 4 * pp).time_s["time_pp_p2p_s"]
+    whole = _est(lay, Software(p2p_tp_split=False, p2p_blocking=True), 4 * pp
+                 ).time_s["time_pp_p2p_s"]
+    bytes_ratio = lay.tp * transfers / 2
+    # a fixed per-transfer latency (p2p_latency_s) keeps the ratio under the bytes' ratio
+    assert 0 < split and bytes_ratio / 2 < whole / split <= bytes_ratio
 
 
 def test_gathered_logits_are_not_divided_by_tp() -> None:
@@ -170,3 +175,21 @@ def test_hagemann_rows_carry_the_vocabulary_the_sheets_mfu_was_counted_with() ->
     assert sum(abs(x - 1) <= 0.005 for x in ratios) >= 303
     llama_vocab = sorted(_sheet_batch_ratios(32000))
     assert llama_vocab[len(llama_vocab) // 2] > 1.02
+
+
+def test_an_rms_kernel_leaves_the_other_elementwise_ops_eager() -> None:
+    """Aleph Alpha's RMS kernel replaces the norm only: SwiGLU (`silu(x) * gate`) and RoPE stay
+    eager, so its rows pay the eager factor on the TP-split ops and not on the norms, and their
+    forward lies between the fused stack's and the all-eager one's."""
+    rms = _software("BF16", SCALING_NOTES + "; kernel flash_attention2 + RMS kernel", "ZeRO-1")
+    no_kernel = _software("BF16", SCALING_NOTES + "; eager-elementwise", "ZeRO-1")
+    assert rms.eager and rms.norm_kernel
+    assert no_kernel.eager and not no_kernel.norm_kernel
+    assert not _software("BF16", "--overlap-param-gather", "").eager
+    lay = Layout(dp_replicate=2, tp=4, micro_batch=1, grad_accum=2)
+
+    def fwd(sw: Software) -> float:
+        return _est(lay, sw, 8).time_s["time_fwd_s"]
+
+    assert fwd(Software()) < fwd(Software(eager=True, norm_kernel=True)) \
+        < fwd(Software(eager=True))

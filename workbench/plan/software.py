@@ -35,6 +35,12 @@ class Software:
     # PyTorch eager elementwise ops (one kernel per op, FP32 upcasts in norms/RoPE); False: the
     # fused kernels of Megatron/Transformer Engine (or compiled, see above).
     eager: bool = False
+    # With `eager`: the norms run as one fused kernel while the other elementwise ops stay
+    # eager, so only the TP-split part (SiLU, gate multiply, RoPE) pays the eager factor. Aleph
+    # Alpha scaling with its RMS kernel: the kernel replaces the RMSNorm only; nn/mlp.py
+    # `_standard_siglu_forward` (`silu(x) * gate`) and nn/rotary.py (an fp32 complex multiply)
+    # stay eager PyTorch whichever norm kernel runs.
+    norm_kernel: bool = False
     # FP8 scaling granularity (torchao): "tensorwise" (one scale per tensor; the producer's
     # kernel fuses amax and cast, and TP all-gathers travel in FP8) or "rowwise" (one scale per
     # row: separate amax/cast kernels per operand and axis, TP all-gathers stay in BF16).
@@ -115,7 +121,12 @@ class Software:
     # `PipeCommunicator`) has every TP rank send the whole tensor with blocking
     # torch.distributed.send / recv, one call after the other: 4 transfers of tok*h a
     # micro-batch on a middle stage (receive the input, send the output, receive the output's
-    # gradient, send the input's gradient), none hidden.
+    # gradient, send the input's gradient), none hidden. At pp 2 both stages are end stages
+    # (pipeline_schedule/train.py: the first sends activations and receives gradients, the last
+    # the reverse), so 2 transfers, not 4, are on the path of each micro-batch: an event
+    # simulation of that instruction order with rendezvous send/recv gives 2.0 transfer times
+    # per micro-batch slot at pp 2 and 3.7-3.8 at pp 4-8 (ga 64), and with free transfers the
+    # 1F1B time (ga + pp - 1)(f + b) exactly.
     p2p_tp_split: bool = True
     p2p_blocking: bool = False
 

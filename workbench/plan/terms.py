@@ -121,7 +121,8 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
     full_frac, sel_attn = recompute_fractions(a["rc"], sw)
     traffic, traffic_rep = (co.elem_traffic * (co.compile_elem_factor if sw.compiled else f
                                                if sw.eager else 1.0)
-                            for f in (co.eager_elem_factor, co.eager_rep_factor))
+                            for f in (co.eager_elem_factor, 1.0 if sw.norm_kernel
+                                      else co.eager_rep_factor))
     cp_shard = a["cp"] if sw.cp_shards_params else 1.0
     return Setup(a=a, dps=a["dps"] * cp_shard, dpr=a["dpr"] * (a["cp"] / cp_shard), tok=tok,
                  ls=ls, ranks=ranks,
@@ -283,7 +284,8 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
         x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
     bw_pp = _bw(2, a["tp"] * x.dpr * x.dps, hw, co)  # neighbours one stage apart
     p2p_bytes = x.tok * float(ms.hidden) * e / (a["tp"] if sw.p2p_tp_split else 1.0)
-    transfers = 4.0 if sw.p2p_blocking else 2.0  # see Software.p2p_blocking
+    # see Software.p2p_blocking: a middle stage waits on 4 blocking transfers, an end stage 2
+    transfers = np.where(pp > 2, 4.0, 2.0) if sw.p2p_blocking else 2.0
     t_p2p = np.where(a["pp"] > 1, transfers * x.vv * (p2p_bytes / bw_pp + co.p2p_latency_s), 0.0)
     p_layer = ms.mean_layer_params()
     p_ranks, p_mp = stages.rank_params(x.ranks, pp, p_layer, ms.embed_params, ms.head_params,

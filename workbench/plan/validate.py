@@ -11,7 +11,7 @@ import csv
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from workbench.cli import ArgParser, InputError, guarded
@@ -20,6 +20,7 @@ from workbench.layout import Layout
 from workbench.layout import validate as validate_layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.costmodel import Estimate, estimate
+from workbench.plan.fabric import inter_node_gbps_per_gpu
 from workbench.plan.hardware import GIB, cluster_for
 from workbench.plan.shapes import model_shape
 from workbench.plan.stages import parse_split
@@ -110,6 +111,9 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
                   "p2p_tp_split": "separate-gate-up" not in n,
                   "p2p_blocking": "separate-gate-up" in n,
                   "unfused_norm": "eager-elementwise" in n,
+                  # its SwiGLU and RoPE are eager with or without the RMS kernel (Software)
+                  "eager": facts["eager"] or "separate-gate-up" in n,
+                  "norm_kernel": "separate-gate-up" in n and "eager-elementwise" not in n,
                   "pp_group": int(m.group(1)) if (m := re.search(r"pp-group=(\d+)", n)) else 0}
         return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
                         grad_reduce_bytes=4.0, **facts)
@@ -162,6 +166,9 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
         model = ModelConfig(**{**model.__dict__, "tie_embeddings": False})
     n_gpus = _int(row, "n_gpus")
     cluster = cluster_for(row["gpu_type"], n_gpus, _int(row, "gpus_per_node", 8), coeff)
+    nic = inter_node_gbps_per_gpu(row.get("interconnect") or "", cluster.gpus_per_node)
+    if nic is not None:  # the source states its fabric (workbench.plan.fabric)
+        cluster = replace(cluster, inter_node_gbps=nic)
     tp, pp, dp = _int(row, "tp"), _int(row, "pp"), _int(row, "dp")
     cpsp = (row.get("cp_or_sp") or "").upper()
     m = re.search(r"CP\s*=\s*(\d+)", cpsp)
