@@ -29,7 +29,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/parallel_cpu.py": ["--steps", "2"],
     "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
                                   "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
-    "benchmarks/lowrank_switch.py": ["--steps", "60"],  # gpt_tiny, 4 runs to their switch
+    "benchmarks/lowrank_switch.py": ["--steps", "24"],  # gpt_tiny, 4 runs to their switch or cap
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
     "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
@@ -157,6 +157,26 @@ def claimed_by(block: Block) -> Optional[str]:
     return next((f for n, f in CLAIMED.items() if block_with(n) is block), None)
 
 
+def script_commands(block: Block, extra: List[str] = ()) -> List[str]:
+    """What the block runs at CPU scale, in order."""
+    if "install" in block.tags:
+        return [_install_tail(c) for c in block.commands]
+    return [scaled(c, extra) for c in block.commands]
+
+
+def covered_by(block: Block) -> Optional[Block]:
+    """Another block that runs this one's commands first, in the same order, in its own fresh
+    clone: running this one too would repeat them exactly (the install block's main job is the
+    first command of the Running block)."""
+    mine = script_commands(block)
+    for other in ALL:
+        theirs = script_commands(other) if not other.tags & {"ci", "gpu", "network"} else []
+        if other is not block and len(theirs) > len(mine) and theirs[:len(mine)] == mine \
+                and not claimed_by(other) and ("slurm" in other.tags) <= ("slurm" in block.tags):
+            return other
+    return None
+
+
 def make_clone(workdir: Path) -> Path:
     """A folder laid out like a user's clone: the repository's scripts, ../shared beside it."""
     root = workdir / "clone"
@@ -172,8 +192,7 @@ def make_clone(workdir: Path) -> Path:
 def run_block(block: Block, clone: Path, extra: List[str] = ()) -> subprocess.CompletedProcess:
     """The block as one bash script (`set -e`) in the clone, writing ./mlflow.db there as a
     user's run does; every `workbench.run` in it takes `extra` overrides."""
-    cmds = [_install_tail(c) for c in block.commands] if "install" in block.tags \
-        else [scaled(c, extra) for c in block.commands]
+    cmds = script_commands(block, extra)
     script = "set -euo pipefail\n" + "\n".join(
         f"echo \"+ [$SECONDS s] \"{shlex.quote(c.splitlines()[0])} >&2\n{c}" for c in cmds) + "\n"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # ./mlflow.db

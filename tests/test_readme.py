@@ -7,7 +7,8 @@ cache.
 At CPU scale: `python -m workbench.run` gets a few steps, benchmarks get their smallest
 arguments (`SMALL` in readme_blocks.py); nothing else is changed. A block whose slow command is
 also a feature's end-to-end test (`CLAIMED`: the two sweeps) is run by that test instead, at its
-scale, with its checks on what the block left. A marker line
+scale, with its checks on what the block left; a block whose commands another block runs first,
+in the same order, in its own fresh clone, is not run twice (`covered_by`). A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
 
 - `install`: the first command; its install steps are what .ci/run (and the wheel test) do, so
@@ -37,6 +38,7 @@ from readme_blocks import (
     Block,
     block_with,
     claimed_by,
+    covered_by,
     make_clone,
     run_block,
 )
@@ -54,8 +56,8 @@ def test_readme_has_blocks_and_known_tags():
 
 def _params():
     for b in ALL:
-        if "ci" in b.tags or claimed_by(b):  # the test suite's own command / a feature test's
-            continue
+        if "ci" in b.tags or claimed_by(b) or covered_by(b):  # run by .ci/run, a feature's
+            continue                                              # test, or a longer block
         marks = [getattr(pytest.mark, t) for t in ("slurm", "slow") if t in b.tags]
         yield pytest.param(b, id=b.id, marks=marks)
 
@@ -90,6 +92,12 @@ def test_readme_block_runs(block: Block, clone: Path):
         return
     proc = run_block(block, clone)
     assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+
+
+def test_a_covered_block_runs_first_in_the_block_that_covers_it():
+    covered = {b.id: covered_by(b).id for b in ALL if "ci" not in b.tags and covered_by(b)}
+    running = block_with("python -m workbench.run model=gpt_small")  # the Running section's
+    assert covered == {ALL[0].id: running.id}, covered
 
 
 def test_claimed_blocks_are_run_by_their_tests():
