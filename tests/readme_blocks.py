@@ -35,7 +35,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
     "benchmarks/store_create.py": ["--stores", "1"],
     "benchmarks/tracking_throughput.py": ["--steps", "200"],
-    "benchmarks/lowrank_scaling.py": ["--quick"],  # full rank + PowerSGD, 1 and 2 ranks
+    "benchmarks/lowrank_scaling.py": ["--quick"],  # PowerSGD (every term), 1 and 2 ranks
     "benchmarks/hetero_cpu.py": ["--quick"],  # 4 layers, 3 steps; speed printed, not checked
     "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
     "benchmarks/lowrank_sync_probe.py": ["--busy-ms", "0", "--iters", "20", "--rounds", "1",
