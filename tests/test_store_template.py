@@ -39,7 +39,8 @@ def test_a_new_store_is_the_store_mlflow_makes(workdir):
     assert _schema(copied) == _schema(own)
     default = c.get_experiment("0")
     assert default.name == "Default"
-    assert default.artifact_location == str(workdir / "mlruns" / "0")  # this store's, not the cache's
+    # this store's folder, not the cache's
+    assert default.artifact_location == str(workdir / "mlruns" / "0")
     exp = c.create_experiment("workbench")
     run = c.create_run(exp)
     c.log_metric(run.info.run_id, "loss", 1.5, step=0)
