@@ -142,6 +142,8 @@ ALL = blocks(README.read_text())
 CLAIMED: Dict[str, str] = {
     "python -m workbench.run +sweep=lowrank_vs_fullrank": "tests/test_lowrank_ddp.py",
     "python -m workbench.run +sweep=data_mixture": "tests/test_data_mixture.py",
+    "python -m workbench.run launcher=torchrun launcher.nproc_per_node=2 layout=ddp":
+        "tests/test_parallel_cli.py",
 }
 
 

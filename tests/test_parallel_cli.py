@@ -1,9 +1,11 @@
-"""The torchrun launcher as a user runs it: `python -m workbench.run launcher=torchrun
-launcher.nproc_per_node=2 layout=ddp` trains through the same rank entry point, writes ONE MLflow
-run (from the rank that holds the loss) with world_size and the layout key, and measured
-metrics; an invalid layout exits 2 naming the rule, before any process starts.
+"""The torchrun launcher as a user runs it: the README's torchrun block (`python -m workbench.run
+launcher=torchrun launcher.nproc_per_node=2 layout=ddp`, then two 4-rank layouts) trains through
+the same rank entry point and writes ONE MLflow run per job (from the rank that holds the loss)
+with world_size and the layout key, and measured metrics; an invalid layout exits 2 naming the
+rule, before any process starts.
 
-torchrun costs 10-20 s to start, so this file launches it once.
+torchrun costs 10-20 s to start, so this file runs the README's block (test_readme leaves it
+to this file) and no other job.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import pytest
 from conftest import cli, metric_series
+from readme_blocks import block_with, make_clone, run_block
 
 STEPS = 4
+README_JOBS = "python -m workbench.run launcher=torchrun launcher.nproc_per_node=2 layout=ddp"
 ARGS = ["launcher=torchrun", "launcher.nproc_per_node=2", "model=gpt_tiny",
         f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
         "train.eval_every=100", "train.eval_batches=2", "train.ckpt_every=100",
@@ -22,27 +26,31 @@ ARGS = ["launcher=torchrun", "launcher.nproc_per_node=2", "model=gpt_tiny",
 
 
 @pytest.mark.slow
-def test_torchrun_ddp_writes_one_mlflow_run(workdir):
+def test_the_readme_torchrun_jobs_write_one_mlflow_run_each(workdir, monkeypatch):
+    """The README's torchrun block as a user types it (ddp on 2 ranks, fsdp_tp and an
+    interleaved tp x pp on 4), at STEPS steps."""
     from mlflow.tracking import MlflowClient
 
-    proc = cli("workbench.run", ARGS + ["layout=ddp", "train.run_dir=run"], workdir,
-               timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    final = json.loads((workdir / "run" / "final_metrics.json").read_text())
-    assert final["comm/allreduce_bytes"] > 0 and "val_loss" in final
+    clone = make_clone(workdir)
+    block = block_with(README_JOBS)
+    proc = run_block(block, clone, [f"train.steps={STEPS}"])
+    assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{clone / 'mlflow.db'}")
     client = MlflowClient()
-    exp = client.get_experiment_by_name("workbench")
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 1  # one run per job, never one per rank
-    run = runs[0]
-    assert run.info.status == "FINISHED"
-    assert run.data.params["world_size"] == "2"
+    runs = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+    # one run per job, never one per rank
+    assert sorted(r.data.params["world_size"] for r in runs) == ["2", "4", "4"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    (run,) = [r for r in runs if r.data.params["world_size"] == "2"]
     assert run.data.params["layout"].startswith("dpr2_dps1_tp1_pp1_cp1")
     for key in ("loss", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes",
                 "comm/allreduce_bytes", "comm/bytes_per_step"):
         assert [s for s, _ in metric_series(run.info.run_id, key)] == list(range(STEPS)), key
+    run_dir = Path(run.data.tags["wb.run_dir"])
+    final = json.loads((run_dir / "final_metrics.json").read_text())
+    assert final["comm/allreduce_bytes"] > 0 and "val_loss" in final
     # DCP checkpoint of the final step, in the layout's folder.
-    layout_dirs = list((workdir / "run" / "checkpoints").iterdir())
+    layout_dirs = list((run_dir / "checkpoints").iterdir())
     assert len(layout_dirs) == 1
     assert (layout_dirs[0] / f"step_{STEPS:08d}" / "complete.json").exists()
 
