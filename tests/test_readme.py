@@ -6,8 +6,9 @@ writing its MLflow store there (./mlflow.db, as a user's run does) and sharing t
 cache.
 At CPU scale: `python -m workbench.run` gets a few steps, benchmarks get their smallest
 arguments (`SMALL` in readme_blocks.py); nothing else is changed. A block whose slow command is
-also a feature's end-to-end test (`CLAIMED`: the two sweeps, the torchrun jobs) is run by that test, at its
-scale, with its checks on what the block left; a block whose commands another block runs first,
+also a feature's end-to-end test (`CLAIMED`: the two sweeps, the torchrun jobs) is run by that
+test, at its scale, with its checks on what the block left; a block whose commands another block
+runs first,
 in the same order, in its own fresh clone, is not run twice (`covered_by`). A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
 
