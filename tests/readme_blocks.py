@@ -21,6 +21,9 @@ README = REPO / "README.md"
 TAGS = {"install", "ci", "slurm", "gpu", "network", "slow"}
 RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1",
              "train.eval_batches=1"]
+# 4 sequences a step unless the command sets the batch (gpt_small's 16 x 256 tokens cost ~7 s a
+# step here); 4 divides every data-parallel degree the README's runs use (at most 4 ranks).
+RUN_BATCH = ["train.global_batch=4"]
 SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1",
                "train.eval_batches=1"]
 STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (conftest.FAST)
@@ -109,10 +112,13 @@ def scaled(cmd: str, extra: List[str] = ()) -> str:
         return cmd
     words = shlex.split(cmd, comments=True)
     if words[:3] == ["python", "-m", "workbench.run"]:
-        small = SWEEP_SMALL if any(w.lstrip("+").startswith("sweep=") for w in words) \
-            else RUN_SMALL
+        sweep = any(w.lstrip("+").startswith("sweep=") for w in words)
+        small = SWEEP_SMALL if sweep else RUN_SMALL
         if not any(w.startswith(("data=tokens", "data.path", "data.max_bytes")) for w in words):
             small = small + STDLIB_SMALL  # the embedded corpus (and its BPE), at test size
+        if not sweep and not any(
+                w.startswith(("train.global_batch", "train.micro_batch")) for w in words):
+            small = small + RUN_BATCH  # a command that sets the batch keeps it
         small = [w for w in small if w.split("=")[0] not in {e.split("=")[0] for e in extra}]
         small = small + list(extra)
         keys = {s.split("=")[0] for s in small}
