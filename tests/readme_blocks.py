@@ -1,8 +1,9 @@
 """The README's bash blocks as data: parsed, scaled to CPU size and run as a user would type them.
 
-`tests/test_readme.py` runs every block; a feature's end-to-end test that would repeat a block's
-slow command (a whole sweep) instead runs the block itself through `run_block` with its own
-scale, then checks what the block left (`CLAIMED`), so CI runs that command once.
+`tests/test_readme.py` runs every block, except that a feature's end-to-end test which would
+repeat a block's slow commands (a whole sweep, torchrun jobs) runs the block itself through
+`run_block` at its own scale and checks what the block left (`CLAIMED`), and a block that another
+block runs first in its own fresh clone is not run twice (`covered_by`): CI runs each command once.
 """
 
 from __future__ import annotations
@@ -136,8 +137,6 @@ def _install_tail(cmd: str) -> str:
     steps = [s.strip() for s in cmd.split("&&")]
     keep = [s for s in steps if not s.startswith(("python3 -m venv", ". .venv", "pip install"))]
     return " && ".join(scaled(s) for s in keep)
-
-
 
 
 ALL = blocks(README.read_text())
