@@ -209,6 +209,24 @@ def test_real_time_limit_checkpoints_requeues_and_finishes(workdir):
     assert [s for s, _ in metric_series(run.info.run_id, "loss")] == list(range(steps))
 
 
+def settled_acct(job_id: str, timeout_s: float = 60.0) -> str:
+    """sacct's `ID+K|partition|state` lines once no component is still RUNNING or COMPLETING.
+
+    The driver returns when the ranks' result file is written (submitit's `done`), which is
+    before slurmctld has seen the batch script exit and run its epilog: for a moment after, sacct
+    still says RUNNING (CI stop 21 saw exactly that)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        acct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id,
+                               "-o", "JobID,Partition,State"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+        live = any(line.rpartition("|")[2].split(" ")[0] in ("RUNNING", "COMPLETING")
+                   for line in acct.split())
+        if not live or time.monotonic() > deadline:
+            return acct
+        time.sleep(1.0)
+
+
 def test_two_pools_train_as_one_heterogeneous_job_and_one_run(workdir):
     """cluster=cpu_two_pools with launcher.stage_pools=[fast,slow]: ONE Slurm heterogeneous job,
     component 0 in partition debug (pipeline stage 0, 3 layers), component 1 in pool2 (stage 1,
@@ -236,8 +254,7 @@ def test_two_pools_train_as_one_heterogeneous_job_and_one_run(workdir):
     assert [tags[f"wb.rank{r}.node"] for r in (0, 1)] == \
         [tags[f"slurm.het_group{k}.nodelist"] for k in (0, 1)]
     job_id = tags["slurm.job_id"]
-    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,Partition,State"],
-                          capture_output=True, text=True, timeout=30, check=True).stdout
+    acct = settled_acct(job_id)
     assert sorted(acct.split()) == [f"{job_id}+0|debug|COMPLETED",
                                     f"{job_id}+1|pool2|COMPLETED"], acct
     assert [s for s, _ in metric_series(run.info.run_id, "loss")] == list(range(steps))
