@@ -10,6 +10,7 @@ published peak memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7.
 fitted: the figures are whatever the physical defaults give.
 
     python benchmarks/costmodel_accuracy.py [--csv PATH ...] [--memory-csv PATH]
+        [--interconnect SOURCE=TEXT ...]   # what-if: another fabric for one source's rows
 """
 
 from __future__ import annotations
@@ -132,6 +133,40 @@ def sweep_stats(pairs: list) -> dict[str, list[tuple[str, int, float, float]]]:
     return out
 
 
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp_or_sp", "virtual_stages", "micro_batch", "global_batch",
+               "recompute", "zero_or_fsdp", "precision", "stage_layers")
+
+
+def twin_agreement(pairs: list) -> dict[tuple[str, str], tuple[float, str, int]]:
+    """{(source, sweep name): (Spearman, twin's tag, common layouts)} between a sweep's measured
+    figures and those of its twin: the same source, model and GPU count measured with another
+    kernel tag (`Llama-13B s2k [flash1]` vs `[flash2]`), over the layouts both measured
+    (>= SWEEP_MIN); of several twins, the one sharing the most layouts.
+
+    Why: a kernel variant speeds a layout's attention or norm, not its parallel layout, so twins
+    should rank their common layouts alike; where they do not, the sheet's run-to-run noise is of
+    the order of the layouts' differences. With independent noise of equal size in each sheet, a
+    noise-free model's rank correlation with one sheet is about the square root of the twins'
+    agreement: the ceiling that a sweep's `rho` can be read against."""
+    series: dict[tuple[str, str, str, str], dict[tuple, float]] = defaultdict(dict)
+    for row, meas, _ in pairs:
+        base, _, tag = row["model"].partition(" [")
+        series[(row["source_group"], base, row["n_gpus"], tag.rstrip("]"))][
+            tuple(row.get(k, "") for k in LAYOUT_KEYS)] = meas
+    out: dict[tuple[str, str], tuple[float, str, int]] = {}
+    for (src, base, n, tag), mine in series.items():
+        for (src2, base2, n2, tag2), theirs in series.items():
+            common = sorted(set(mine) & set(theirs))
+            if (src2, base2, n2) != (src, base, n) or tag2 == tag or len(common) < SWEEP_MIN:
+                continue
+            rho = spearman([mine[k] for k in common], [theirs[k] for k in common])
+            name = f"{base} [{tag}] n={n}" if tag else f"{base} n={n}"
+            best = out.get((src, name))
+            if best is None or (len(common), rho) > (best[2], best[0]):
+                out[(src, name)] = (rho, tag2, len(common))
+    return out
+
+
 def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
     pairs = measured_vs_predicted(rows)
     preds = [{**r, **predict_row(r)} for r in rows]
@@ -167,10 +202,16 @@ def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
               f"tp{row['tp']} pp{row['pp']} dp{row['dp']} {row['precision'][:12]:<12} "
               f"{row['metric']:<22}{meas:>9.1f} -> {pred:>9.1f} ({(pred - meas) / meas:+.0%})"
               f"  mem {row['pred_peak_mem_gib']} GiB fits={row['pred_fits']}")
-    print(f"\nsweeps of >= {SWEEP_MIN} layouts (target: Spearman >= 0.9):")
+    print(f"\nsweeps of >= {SWEEP_MIN} layouts (target: Spearman >= 0.9); twin: the same "
+          "layouts measured with another kernel, their rank agreement (see twin_agreement):")
+    twins = twin_agreement(pairs)
     for src, sw in sweeps.items():
         for name, n, rho, reg in sw:
-            print(f"  {src:<20}{name:<30}layouts={n:<3}rho={rho:+.2f} top-1 regret={reg:.1%}")
+            twin = twins.get((src, name))
+            note = (f"  twin [{twin[1]}] {twin[2]} layouts rho={twin[0]:+.2f}"
+                    f" (ceiling ~{max(twin[0], 0.0) ** 0.5:.2f})" if twin else "")
+            print(f"  {src:<20}{name:<30}layouts={n:<3}rho={rho:+.2f} top-1 regret={reg:.1%}"
+                  + note)
     report_oom_sweeps(preds)
     mem = [(float(r["peak_mem_gib"]), float(r["pred_peak_mem_gib"])) for r, _, _ in pairs
            if r.get("peak_mem_gib")]
@@ -271,7 +312,14 @@ def main(argv: list[str]) -> int:
                    help="rows to score (repeatable; default: the shared published_layouts.csv "
                         "and this project's benchmarks/calibration/*_layouts.csv)")
     p.add_argument("--memory-csv", type=Path, default=None)
+    p.add_argument("--interconnect", action="append", default=[], metavar="SOURCE=TEXT",
+                   help="what-if: score SOURCE's rows as if their fabric were TEXT (as the CSV's "
+                        "interconnect column says it, e.g. '1x200Gb/s HDR IB per node')")
     args = p.parse_args(argv)
+    fabric = dict(x.partition("=")[::2] for x in args.interconnect)
+    if bad := [x for x in args.interconnect if "=" not in x or not x.partition("=")[2]]:
+        print(f"error: --interconnect {bad[0]!r}: expected SOURCE=TEXT", file=sys.stderr)
+        return 2
     paths = args.csv or [default_csv(), *sorted(PROJECT_CSV.glob("*_layouts.csv"))]
     rows: list[dict[str, str]] = []
     for path in paths:
@@ -279,7 +327,8 @@ def main(argv: list[str]) -> int:
             print(f"no shared calibration CSV at {path}; project rows only")
             continue
         got = read_rows(path)[1]
-        rows += got
+        rows += [{**r, "interconnect": fabric[r["source_group"]]}
+                 if r.get("source_group") in fabric else r for r in got]
         print(f"rows: {len(got)} from {path}")
     report_layouts(rows)
     report_memory(args.memory_csv or paths[0].with_name("korthikanti2022_memory.csv"))

@@ -149,6 +149,7 @@ CLAIMED: Dict[str, str] = {
     "python -m workbench.run +sweep=data_mixture": "tests/test_data_mixture.py",
     "python -m workbench.run launcher=torchrun launcher.nproc_per_node=2 layout=ddp":
         "tests/test_parallel_cli.py",
+    "python benchmarks/costmodel_accuracy.py --interconnect": "tests/test_costmodel_twins.py",
 }
 
 

@@ -7,9 +7,9 @@ cache.
 At CPU scale: `python -m workbench.run` gets a few steps (of 4 sequences unless it sets the
 batch), benchmarks get their smallest arguments (`SMALL` in readme_blocks.py); nothing else is
 changed. A block whose slow command is also a feature's end-to-end test (`CLAIMED`: the two
-sweeps, the torchrun jobs) is run by that test, at its scale, with its checks on what the block
-left; a block whose commands another block runs first, in the same order, in its own fresh
-clone, is not run twice (`covered_by`). A marker line
+sweeps, the torchrun jobs, the cost model's fabric what-if) is run by that test, at its
+scale, with its checks on what the block left; a block whose commands another block runs
+first, in the same order, in its own fresh clone, is not run twice (`covered_by`). A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
 
 - `install`: the first command; its install steps are what .ci/run (and the wheel test) do, so
