@@ -7,7 +7,12 @@ and the same split per node count. A factor near 1 says the term is right as mod
 model's coefficients never see these factors.
 
     python benchmarks/term_split.py --csv benchmarks/calibration/hagemann2023_layouts.csv \
-        --source hagemann2023 [--exclude 'torch attention'] [--exclude 'fused softmax']
+        --source hagemann2023 [--exclude 'torch attention'] [--exclude 'fused softmax'] \
+        [--by tp]
+
+With --by tp the groups are the TP degrees: a term whose factor holds across TP (the in-step
+data-parallel sync of hagemann2023, x6-9 at TP 1, 2 and 4) is not a per-GPU link share that the
+model splits wrong by TP (its NIC rails: 8 / TP per data-parallel group on a node).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ GROUPS = {"compute": ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_opti
           "dp": ("time_dp_comm_exposed_s",)}
 
 
-def term_table(rows: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(terms per row in GROUPS order, measured seconds, nodes) of the rows with a step time."""
+def term_table(rows: list[dict[str, str]], by: str = "nodes"
+               ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(terms per row in GROUPS order, measured seconds, each row's group: its node count, or
+    its TP degree with by="tp") of the rows with a step time."""
     terms, meas, nodes = [], [], []
     for row in rows:
         if (row.get("outcome") or "").strip().lower() == "oom" or not row.get("value"):
@@ -43,7 +50,7 @@ def term_table(rows: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray, list
         est = predict_case(case)
         terms.append([sum(est.time_s[k] for k in keys) for keys in GROUPS.values()])
         meas.append(float(row["value"]))
-        nodes.append(case.cluster.nodes)
+        nodes.append(case.layout.tp if by == "tp" else case.cluster.nodes)
     return np.array(terms), np.array(meas), nodes
 
 
@@ -70,22 +77,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--source", required=True, help="source_group to split")
     ap.add_argument("--exclude", action="append", default=[],
                     help="leave out rows whose model name contains this text")
+    ap.add_argument("--by", choices=("nodes", "tp"), default="nodes",
+                    help="the groups split separately after all rows: node count or TP degree")
     args = ap.parse_args(argv)
     rows = [r for p in args.csv for r in read_rows(p)[1]
             if r.get("source_group") == args.source
             and not any(x in (r.get("model") or "") for x in args.exclude)]
-    terms, meas, nodes = term_table(rows)
+    terms, meas, nodes = term_table(rows, args.by)
     if len(meas) < len(GROUPS):
         print(f"error: --source {args.source}: {len(meas)} rows with a step time; "
               f"need at least {len(GROUPS)}", file=sys.stderr)
         return 2
     print(_line("all", len(meas), *factors(terms, meas)))
-    by_nodes = defaultdict(list)
+    groups = defaultdict(list)
     for i, n in enumerate(nodes):
-        by_nodes[n].append(i)
-    for n, idx in sorted(by_nodes.items()):
+        groups[n].append(i)
+    for n, idx in sorted(groups.items()):
         if len(idx) >= 2 * len(GROUPS):
-            print(_line(f"{n} nodes", len(idx), *factors(terms[idx], meas[idx])))
+            label = f"tp {n}" if args.by == "tp" else f"{n} nodes"
+            print(_line(label, len(idx), *factors(terms[idx], meas[idx])))
     return 0
 
 

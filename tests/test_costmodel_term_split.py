@@ -74,3 +74,15 @@ def test_a_missing_csv_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -
         guarded(_module().main)(["--csv", "/nonexistent.csv", "--source", "hagemann2023"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--csv" in err[0]
+
+
+def test_the_split_by_tp_keeps_the_data_parallel_excess(capsys: pytest.CaptureFixture[str]) -> None:
+    """--by tp: the in-step DP sync is x4+ at TP 1, 2 and 4 alike, so the excess is not the
+    model's per-TP rail share (8 / TP NICs per data-parallel group on a node) gone wrong."""
+    mod = _module()
+    assert mod.main(["--csv", str(HAGEMANN), "--source", "hagemann2023", "--by", "tp",
+                     "--exclude", "torch attention", "--exclude", "fused softmax"]) == 0
+    lines = {line.split(" rows")[0].rsplit(" ", 1)[0].strip(): line
+             for line in capsys.readouterr().out.splitlines()}
+    for tp in ("tp 1", "tp 2", "tp 4"):
+        assert float(lines[tp].split("dp x")[1].split()[0]) > 4, lines[tp]
