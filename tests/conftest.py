@@ -96,6 +96,18 @@ def metric_series(run_id: str, key: str) -> List[tuple]:
     return sorted((m.step, m.value) for m in hist)
 
 
+def benchmark_module(name: str):
+    """benchmarks/NAME.py imported as module NAME (the scripts are not a package), so a test
+    calls its functions and main() in-process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def only_run(experiment: str = "workbench"):
     from mlflow.tracking import MlflowClient
 

@@ -6,24 +6,15 @@ compute and TP as modelled, the in-step data-parallel sync several times slower 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import REPO, benchmark_module
 
-REPO = Path(__file__).resolve().parents[1]
 HAGEMANN = REPO / "benchmarks" / "calibration" / "hagemann2023_layouts.csv"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("term_split",
-                                                  REPO / "benchmarks" / "term_split.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["term_split"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("term_split")
 
 
 def test_exact_terms_give_their_own_factors() -> None:

@@ -9,23 +9,16 @@ its 30B/256-GPU sheet does (so the model's low rank correlation there is the mod
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, benchmark_module
 
-REPO = Path(__file__).resolve().parents[1]
 HAGEMANN = REPO / "benchmarks" / "calibration" / "hagemann2023_layouts.csv"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("costmodel_accuracy",
-                                                  REPO / "benchmarks" / "costmodel_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["costmodel_accuracy"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("costmodel_accuracy")
 
 
 def _pair(tag: str, tp: int, pp: int, seconds: float) -> tuple[dict[str, str], float, float]:

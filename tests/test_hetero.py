@@ -3,13 +3,11 @@ command, and the accuracy claim on AMP's published mixed-cluster sweep."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import benchmark_module
 
 from workbench.cli import compose, guarded
 from workbench.config import ConfigError
@@ -114,11 +112,7 @@ def test_plan_command_prints_stage_pools_and_the_single_pool_best(tmp_path, caps
 
 
 def test_beats_amps_cost_model_on_its_mixed_cluster_sweep() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "hetero_accuracy", REPO / "benchmarks" / "hetero_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hetero_accuracy"] = mod
-    spec.loader.exec_module(mod)
+    mod = benchmark_module("hetero_accuracy")
     import csv
 
     with mod.DATA.open() as fh:
