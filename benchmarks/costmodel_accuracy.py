@@ -4,10 +4,12 @@ Prints, per source group: the median absolute percentage error of the figure the
 (TFLOP/s per GPU, MFU, tokens/s per GPU or seconds per iteration); for every sweep of >= 5
 layouts (same source, model, GPU count and metric, varying the layout) the Spearman rank
 correlation and the top-1 regret (how much worse the predicted-best layout measured than the
-measured best); OOM precision/recall/F1 of `not pred_fits` on rows with a known outcome (every
-measured row ran; rows with outcome=oom did not); which sources set a coefficient; the error on
-published peak memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Nothing here is
-fitted: the figures are whatever the physical defaults give.
+measured best), and beside it how well the sheet ranks itself (`twin_agreement`); OOM
+precision/recall/F1 of `not pred_fits` on rows with a known outcome (every measured row ran;
+rows with outcome=oom did not); which sources set a coefficient; the error on published peak
+memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Nothing here is
+fitted: the figures are whatever the physical defaults give (`--interconnect` is a what-if,
+never a default).
 
     python benchmarks/costmodel_accuracy.py [--csv PATH ...] [--memory-csv PATH]
         [--interconnect SOURCE=TEXT ...]   # what-if: another fabric for one source's rows
