@@ -201,3 +201,31 @@ def test_calibrate_from_mlflow_recovers_a_known_coefficient(tmp_path, capsys) ->
     assert e.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]
+
+
+def test_explain_shows_the_bandwidth_each_group_gets(capsys) -> None:
+    """--explain names the links the time terms used: a group inside a node gets NVLink; a
+    data-parallel group of 16 ranks 2 apart on 4 H100 nodes gets 4 NICs per node (one ring per
+    member on a node), and the pipeline send between two nodes one NIC."""
+    from workbench.cli import compose
+    from workbench.plan.coefficients import coefficients
+    from workbench.plan.costmodel import hardware_for
+    from workbench.plan.explain import explain
+
+    cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=4", "train.dtype=bf16"])
+    hw, co = hardware_for(cfg.cluster), coefficients(cfg.cluster)
+    x = explain(cfg.model, cfg.cluster, cfg.train, "dpr16_dps1_tp2_pp1_cp1_mb1_ga1_rc-none")
+    tp, dp = x.links["tensor parallel"], x.links["data parallel, replicated"]
+    assert (tp.size, tp.nodes, tp.nics) == (2, 1, 0)
+    assert tp.bytes_per_s == pytest.approx(hw.intra_node_gbps * co.link_eff_intra * 1e9)
+    assert (dp.size, dp.stride, dp.nodes, dp.nics) == (16, 2, 4, 4)
+    assert dp.bytes_per_s == pytest.approx(4 * hw.inter_node_gbps * co.link_eff_inter * 1e9)
+    assert set(x.links) == {"tensor parallel", "data parallel, replicated"}
+    pp = explain(cfg.model, cfg.cluster, cfg.train, "dpr1_dps8_tp2_pp2_cp1_mb1_ga8_rc-none"
+                 ).links["pipeline send"]
+    assert (pp.size, pp.stride, pp.nics) == (2, 16, 1)
+    assert plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=4",
+                           "train.dtype=bf16", "--explain",
+                           "dpr16_dps1_tp2_pp1_cp1_mb1_ga1_rc-none"]) == 0
+    out = capsys.readouterr().out
+    assert "data parallel, replicated     16 ranks over 4 nodes, 4 NICs per node" in out

@@ -105,7 +105,7 @@ def gpu_link(name: str, nic_gbit_per_s: float, gpus_per_nic: int, gpu: str = "H1
              co: Coefficients | None = None) -> Link:
     """GPUs of 8 per node on NVLink, and across nodes one NIC of nic_gbit_per_s per gpus_per_nic
     GPUs: a ring through a node's GPUs crosses to the next node on all its NICs, so across nodes
-    each GPU gets the node's NIC bandwidth / 8 times the 8 GPUs' rails (the cost model's _bw),
+    each GPU gets the node's NIC bandwidth / 8 times the 8 GPUs' rails (the cost model's group_bw),
     never more than NVLink."""
     cl = cluster_for(gpu, 8)
     co = co or coefficients(cl)

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from workbench.config import ClusterConfig, ConfigError, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
 from workbench.layout import validate as validate_layout
-from workbench.plan.coefficients import coefficients
+from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.columns import layout_columns
 from workbench.plan.costmodel import _to_estimate, hardware_for, software_for
-from workbench.plan.hardware import GIB
+from workbench.plan.hardware import GIB, GpuSpec
 from workbench.plan.shapes import model_shape
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate
+from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate, group_bw, nic_rails, setup
 from workbench.plan.validate import engine_only
 
 # (label, key in terms.evaluate) in print order; the buffer and fixed lines are their parts.
@@ -35,6 +37,19 @@ FIXED_LABEL = "fixed (CUDA context, NCCL, cuBLAS)"
 
 
 @dataclass(frozen=True)
+class Link:
+    """The bandwidth the model gives one group's collectives: `size` ranks `stride` apart, over
+    `nodes` nodes, using `nics` NICs of each node (NCCL's rails: one ring per member on a node);
+    nics 0 inside a node (NVLink)."""
+
+    size: int
+    stride: int
+    nodes: int
+    nics: int
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
 class Explanation:
     """One layout's itemized peak memory (bytes, summing to peak_bytes) and step time (s)."""
 
@@ -47,6 +62,7 @@ class Explanation:
     time_s: dict[str, float]
     step_time_s: float
     mfu: float
+    links: dict[str, Link]
 
     @property
     def fits(self) -> bool:
@@ -73,6 +89,14 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
     a = layout_columns([layout])
     t = evaluate(ms, hw, co, sw, a, float(layout.global_batch))
     est = _to_estimate(t, ms, hw, sw, a, float(layout.global_batch), layout.world_size, 0)
+    x = setup(ms, hw, co, sw, a)
+    dps, dpr = float(x.dps[0]), float(x.dpr[0])
+    groups = {"tensor parallel": (layout.tp, 1), "context parallel": (layout.cp, layout.tp),
+              "data parallel, sharded": (dps, layout.tp),
+              # CP ranks folded into the replicate group sit next to TP (terms.data_parallel)
+              "data parallel, replicated": (dpr, layout.tp * (1 if dpr > layout.dp_replicate
+                                                              else dps)),
+              "pipeline send": (2 if layout.pp > 1 else 1, layout.tp * dpr * dps)}
     mem = {label: float(t[k][0]) for label, k in MEMORY_LINES}
     mem[FIXED_LABEL] = float(t["mem_fixed_bytes"][0] - t["mem_fragmentation_bytes"][0])
     return Explanation(layout=layout, memory_bytes=mem,
@@ -80,7 +104,21 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
                        hbm_bytes=hw.hbm_bytes, margin_bytes=margin_gib * GIB,
                        peak_rank=int(t["mem_peak_rank"][0]),
                        time_s={k: float(t[k][0]) for k in TIME_TERMS},
-                       step_time_s=est.step_time_s, mfu=est.mfu)
+                       step_time_s=est.step_time_s, mfu=est.mfu,
+                       links={name: _link_of(size, stride, hw, co)
+                              for name, (size, stride) in groups.items() if size > 1})
+
+
+def _link_of(size: float, stride: float, hw: GpuSpec, co: Coefficients) -> Link:
+    """The terms' own bandwidth for a group (terms.group_bw) and what it assumed: a user whose
+    stack's collectives do not use a NIC per member (hagemann2023's in-step sync ran 6-9x
+    slower than this) sees the assumption here and sets cluster.inter_node_gbps to match."""
+    n, st = np.array([float(size)]), np.array([float(stride)])
+    inside = size * stride <= hw.gpus_per_node
+    return Link(size=int(size), stride=int(stride),
+                nodes=1 if inside else int(-(-size * stride // hw.gpus_per_node)),
+                nics=0 if inside else int(nic_rails(n, st, hw)[0]),
+                bytes_per_s=float(group_bw(n, st, hw, co)[0]))
 
 
 def render(x: Explanation) -> list[str]:
@@ -99,4 +137,9 @@ def render(x: Explanation) -> list[str]:
     for k, s in x.time_s.items():
         out.append(f"  {k.removeprefix('time_').removesuffix('_s'):<40}{s:>10.4f} s")
     out.append(f"  {'total':<40}{x.step_time_s:>10.4f} s   (MFU {x.mfu:.1%})")
+    out.append("links (GB/s the model gives each group; across nodes, a NIC per member on a node):")
+    for name, k in x.links.items():
+        where = ("inside a node" if not k.nics else
+                 f"over {k.nodes} nodes, {k.nics} NIC{'s' if k.nics > 1 else ''} per node")
+        out.append(f"  {name:<27}{k.size:>5} ranks {where:<34}{k.bytes_per_s / 1e9:>8.1f} GB/s")
     return out

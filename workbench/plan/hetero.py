@@ -19,8 +19,8 @@ of unlike stages:
   per-stage speed, solved exactly by bisection on the stage time T: stage s holds at most
   min(cap_s, floor((T - e_s) / c_s)) layers, and T is feasible when those hold every layer.
 
-A transfer between stages on one pool uses the pool's links (terms._bw); between pools it pays the
-cluster's link between them (workbench.plan.pools).
+A transfer between stages on one pool uses the pool's links (terms.group_bw); between pools it
+pays the cluster's link between them (workbench.plan.pools).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from workbench.plan.terms import (
     LOSS_BYTES_PER_LOGIT,
     OPTIMIZER_BYTES_PER_PARAM,
     Software,
-    _bw,
     _link,
     evaluate,
+    group_bw,
 )
 
 STATE = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes")
@@ -93,7 +93,7 @@ def pool_costs(ms: ModelShape, pool: Pool, sw: Software, a: Columns, gb: float) 
     tok = b["mb"] * ms.seq_len / b["cp"]
     logits = LOSS_BYTES_PER_LOGIT * tok * ms.vocab / tp
     p2p_bytes = tok * ms.hidden * sw.act_bytes / tp
-    p2p = p2p_bytes / _bw(2.0 * np.ones_like(tp), tp * b["dpr"] * b["dps"], spec, co) \
+    p2p = p2p_bytes / group_bw(2.0 * np.ones_like(tp), tp * b["dpr"] * b["dps"], spec, co) \
         + co.p2p_latency_s
     bw_dp, lat_dp = _link(b["dpr"], tp, spec, co)
     dp = b["dpr"]

@@ -47,17 +47,17 @@ def _g(d: np.ndarray | float, half: float) -> np.ndarray:
     return d / (d + half)
 
 
-def _rails(size: np.ndarray, stride: np.ndarray, hw: GpuSpec) -> np.ndarray:
+def nic_rails(size: np.ndarray, stride: np.ndarray, hw: GpuSpec) -> np.ndarray:
     """Members of a group that share a node: a group spanning nodes runs one ring per member
     (rail), each over its own NIC, so cross-node bandwidth adds up across them (NCCL)."""
     return np.clip(hw.gpus_per_node / np.maximum(stride, 1), 1, np.maximum(size, 1))
 
 
-def _bw(size: np.ndarray, stride: np.ndarray, hw: GpuSpec, co: Coefficients) -> np.ndarray:
+def group_bw(size: np.ndarray, stride: np.ndarray, hw: GpuSpec, co: Coefficients) -> np.ndarray:
     """Bytes/s of a group of `size` ranks `stride` apart: NVLink when it fits in one node, else
     the NICs of the members on one node together, never more than NVLink."""
     intra_bw = hw.intra_node_gbps * co.link_eff_intra
-    inter_bw = np.minimum(hw.inter_node_gbps * co.link_eff_inter * _rails(size, stride, hw),
+    inter_bw = np.minimum(hw.inter_node_gbps * co.link_eff_inter * nic_rails(size, stride, hw),
                           intra_bw)
     return np.where(size * stride <= hw.gpus_per_node, intra_bw, inter_bw) * 1e9
 
@@ -68,8 +68,8 @@ def _link(size: np.ndarray, stride: np.ndarray, hw: GpuSpec, co: Coefficients
     takes one hop per doubling of the group (tree / ring steps)."""
     per = np.where(size * stride <= hw.gpus_per_node, co.coll_latency_intra_s,
                    co.coll_latency_inter_s)
-    return _bw(size, stride, hw, co), np.where(size > 1, per * (1.0 + np.log2(np.maximum(size, 1))),
-                                               0.0)
+    hops = np.where(size > 1, per * (1.0 + np.log2(np.maximum(size, 1))), 0.0)
+    return group_bw(size, stride, hw, co), hops
 
 
 def attn_bwd_factor(sw: Software) -> float:
@@ -282,7 +282,7 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     emb = x.traffic * x.tok * x.act["input"] / x.hbm  # the lookup's rows, written once
     t_fwd, t_bwd, t_rec, t_tp, t_cp = stages.stage_times(
         x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
-    bw_pp = _bw(2, a["tp"] * x.dpr * x.dps, hw, co)  # neighbours one stage apart
+    bw_pp = group_bw(2, a["tp"] * x.dpr * x.dps, hw, co)  # neighbours one stage apart
     p2p_bytes = x.tok * float(ms.hidden) * e / (a["tp"] if sw.p2p_tp_split else 1.0)
     # see Software.p2p_blocking: a middle stage waits on 4 blocking transfers, an end stage 2
     transfers = np.where(pp > 2, 4.0, 2.0) if sw.p2p_blocking else 2.0
