@@ -4,7 +4,9 @@ Prints, per source group: the median absolute percentage error of the figure the
 (TFLOP/s per GPU, MFU, tokens/s per GPU or seconds per iteration); for every sweep of >= 5
 layouts (same source, model, GPU count and metric, varying the layout) the Spearman rank
 correlation and the top-1 regret (how much worse the predicted-best layout measured than the
-measured best), and beside it how well the sheet ranks itself (`twin_agreement`); OOM
+measured best), and beside it how well the sheet ranks itself (`twin_agreement`); the
+step-time ratio of two kernels over the same layouts, measured and predicted
+(`kernel_ratios`); OOM
 precision/recall/F1 of `not pred_fits` on rows with a known outcome (every measured row ran;
 rows with outcome=oom did not); which sources set a coefficient; the error on published peak
 memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Nothing here is
@@ -169,6 +171,46 @@ def twin_agreement(pairs: list) -> dict[tuple[str, str], tuple[float, str, int]]
     return out
 
 
+def kernel_ratios(pairs: list) -> list[tuple[str, str, str, int, float, float]]:
+    """[(source, sweep base, "slow / fast" tags, common layouts, measured, predicted)]: the
+    median time ratio of the same layouts under two kernels of one sheet, as measured and as
+    the model predicts it, oriented so that the measured ratio is >= 1.
+
+    Why: the twins' rank agreement says whether a sheet orders its layouts reproducibly; the
+    ratio says whether the model prices a kernel choice (flash vs fused softmax vs eager
+    attention) as the measurements do, which is the question a user asks of it."""
+    series: dict[tuple[str, str, str, str], dict[tuple, tuple[float, float]]] = defaultdict(dict)
+    for row, meas, pred in pairs:
+        base, _, tag = row["model"].partition(" [")
+        if not tag:
+            continue
+        t_m, t_p = (meas, pred) if row["metric"] in LOWER_IS_BETTER else (1 / meas, 1 / pred)
+        series[(row["source_group"], base, row["n_gpus"], tag.rstrip("]"))][
+            tuple(row.get(k, "") for k in LAYOUT_KEYS)] = (t_m, t_p)
+    out = []
+    for (src, base, n, tag), mine in series.items():
+        for (src2, base2, n2, tag2), theirs in series.items():
+            common = set(mine) & set(theirs)
+            if (src2, base2, n2) != (src, base, n) or tag2 <= tag or len(common) < SWEEP_MIN:
+                continue
+            m = statistics.median(mine[k][0] / theirs[k][0] for k in common)
+            p = statistics.median(mine[k][1] / theirs[k][1] for k in common)
+            slow, fast = (tag, tag2) if m >= 1 else (tag2, tag)
+            out.append((src, f"{base} n={n}", f"{slow} / {fast}", len(common),
+                        max(m, 1 / m), p if m >= 1 else 1 / p))
+    return sorted(out)
+
+
+def report_kernel_ratios(pairs: list) -> None:
+    got = kernel_ratios(pairs)
+    if got:
+        print("\nkernel twins: step-time ratio of the same layouts under two kernels (median; "
+              "see kernel_ratios):")
+    for src, sweep, tags, n, meas, pred in got:
+        print(f"  {src:<20}{sweep:<22}{tags:<34}layouts={n:<3}measured x{meas:.2f} "
+              f"predicted x{pred:.2f}")
+
+
 def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
     pairs = measured_vs_predicted(rows)
     preds = [{**r, **predict_row(r)} for r in rows]
@@ -214,6 +256,7 @@ def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
                     f" (ceiling ~{max(twin[0], 0.0) ** 0.5:.2f})" if twin else "")
             print(f"  {src:<20}{name:<30}layouts={n:<3}rho={rho:+.2f} top-1 regret={reg:.1%}"
                   + note)
+    report_kernel_ratios(pairs)
     report_oom_sweeps(preds)
     mem = [(float(r["peak_mem_gib"]), float(r["pred_peak_mem_gib"])) for r, _, _ in pairs
            if r.get("peak_mem_gib")]
