@@ -108,20 +108,19 @@ def test_kernel_ratios_are_medians_oriented_slow_over_fast() -> None:
     assert meas == pytest.approx(1.2) and pred == pytest.approx(1.08)
 
 
-def test_hagemann_kernel_ratios_priced_except_the_eager_attention() -> None:
-    """The reading the closing note rests on: the model prices FlashAttention 1 vs 2, the RMS
-    kernel and the fused softmax as the sheets measure them (within 0.07), and misses the eager
-    torch attention path: measured 1.14x the fused softmax at 2k, predicted 1.00."""
+def test_hagemann_kernel_ratios_are_priced_within_8_percent() -> None:
+    """The reading the closing notes rest on: every kernel choice of the hagemann2023 sheets
+    (FlashAttention 1 vs 2, the RMS kernel, the fused softmax, the eager torch attention with its
+    fp32 softmax counted op by op) costs within 8% of the time ratio the sheets measure; the
+    eager core at 8k, 1.95x FlashAttention 2's step time, was priced 1.33x with the fused
+    kernel's bytes."""
     mod = _module()
     from workbench.plan.validate import read_rows
 
     got = {(sweep, tags): (meas, pred) for _, sweep, tags, _, meas, pred
            in mod.kernel_ratios(mod.measured_vs_predicted(read_rows(HAGEMANN)[1]))}
-    for key in [("Llama-30B s2k n=256", "flash1 / flash2"),
-                ("Llama-65B s2k n=128", "flash2 / flash2+RMS kernel"),
-                ("Llama-13B s8k n=128", "flash1 / flash2"),
-                ("Llama-30B s2k n=256", "fused softmax / flash2")]:
-        meas, pred = got[key]
-        assert abs(meas - pred) < 0.07, key
-    meas, pred = got[("Llama-13B s2k n=64", "torch attention / fused softmax")]
-    assert 1.10 < meas < 1.20 and pred == pytest.approx(1.0, abs=0.02)
+    assert len(got) == 19
+    for key, (meas, pred) in got.items():
+        assert abs(pred / meas - 1) < 0.08, key
+    meas, pred = got[("Llama-13B s8k n=128", "torch attention / flash2")]
+    assert meas == pytest.approx(1.95, abs=0.01) and pred > 1.9

@@ -16,6 +16,17 @@ from workbench.plan.software import Software
 # log-probabilities, the incoming gradient and the gradient log-softmax returns.
 LOSS_BYTES_PER_LOGIT = 12.0
 FP32_BYTES = 4.0
+# The eager attention core of a `kernel: torch` stack (Aleph Alpha scaling's MaskedSoftmaxTorch:
+# masked_fill_ in place, softmax, with softmax_in_fp32 a cast on either side), per attention
+# score and by softmax dtype bytes: (HBM bytes its non-GEMM aten ops read and write over forward
+# and backward, bytes autograd keeps for the backward), without the mask's 1 byte per (sequence,
+# query, key) that masked_fill reads forward and backward. tests/test_eager_attention.py counts
+# both from the ops autograd runs. 16-bit: masked_fill_ (4) and softmax (4) forward; backward
+# softmax (6), the mask (4) and, because the in-place fill hit a view of the score GEMM's output,
+# autograd's CopySlices around it (new_zeros 2, copy_ 4, copy_ 4, clone 4, copy_ 4): 36, keeping
+# the softmax output. fp32: casts (6 + 6), masked_fill_ (8), softmax (8) forward; casts (6 + 6),
+# softmax (12), the mask (8) backward: 60, keeping the fp32 softmax output and its 16-bit copy.
+EAGER_SOFTMAX_SCORE_BYTES = {2.0: (36.0, 2.0), 4.0: (60.0, 6.0)}
 
 
 def loss_bytes_per_token(vocab: int, sw: Software, tp: np.ndarray, ga: np.ndarray
@@ -61,11 +72,27 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
         + (e * 3 * ms.q_width if sw.attention_copies else 0.0)
     if sw.flash_attention:
         quad = 4.0 * ms.n_heads  # logsumexp statistics only
+    elif sw.eager_softmax_bytes:
+        quad = ms.n_heads * ms.seq_len * (EAGER_SOFTMAX_SCORE_BYTES[sw.eager_softmax_bytes][1]
+                                          + mask * (1 + e))
     else:
         quad = ms.n_heads * ms.seq_len * (e + mask * (1 + e))
     rep_div = np.where(sp > 0, tp, 1.0)
     return {"rep": rep / rep_div, "split": split / tp, "quad": quad / tp, "input": e * h / rep_div,
             "unfused": unfused_rep / rep_div + unfused_split / tp}
+
+
+def quad_fwd_bytes(ms: ModelShape, sw: Software, tp: np.ndarray, generic: np.ndarray
+                   ) -> np.ndarray:
+    """HBM bytes per token and layer charged to the s*s part of the attention core's forward
+    (the backward is charged twice that, as every elementwise term). An eager core
+    (Software.eager_softmax_bytes) pays a third of the op-by-op total of EAGER_SOFTMAX_SCORE_BYTES
+    over the rank's heads, plus the mask, one per sequence shared by the heads. Otherwise it
+    pays `generic`, the elementwise traffic over the stored score tensors."""
+    if not sw.eager_softmax_bytes or sw.flash_attention:
+        return generic
+    moved = EAGER_SOFTMAX_SCORE_BYTES[sw.eager_softmax_bytes][0]
+    return ms.seq_len * (moved * ms.n_heads / tp + 2.0) / 3.0
 
 
 def eager_norm_bytes_per_elem(e: float) -> float:

@@ -142,6 +142,11 @@ class Software:
     # in-place divide to the saved softmax (8) = 38 forward; backward `mul_` by the incoming
     # gradient (8) and the cast back to the 16-bit logits' dtype (read 4, write 2) = 14: 52.
     loss_hbm_bytes_per_logit: float = 0.0
+    # Without flash attention, the attention core as eager PyTorch ops with the softmax in this
+    # many bytes (2 or 4: Aleph Alpha scaling's `kernel: torch`, `softmax_in_fp32`), counted op
+    # by op (memory_terms.EAGER_SOFTMAX_SCORE_BYTES); 0: the generic count (elementwise traffic
+    # over the stored score tensors, as for a fused softmax kernel).
+    eager_softmax_bytes: float = 0.0
 
     def loss_fwd_bytes_per_logit(self, elem_traffic: float) -> float:
         """HBM bytes per logit charged to the loss forward; the stage charges the backward

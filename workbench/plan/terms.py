@@ -26,6 +26,7 @@ from workbench.plan.memory_terms import LOSS_BYTES_PER_LOGIT as LOSS_BYTES_PER_L
 from workbench.plan.memory_terms import (
     activation_bytes_per_token,
     loss_bytes_per_token,
+    quad_fwd_bytes,
     state_bytes_per_param,
 )
 from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
@@ -193,14 +194,15 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
         attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
             + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
     act = x.act
-    elem_f = tok * (x.traffic_rep * act["rep"] + x.traffic * (act["split"] + act["quad"])) / hbm
+    quad_b = quad_fwd_bytes(ms, sw, tp, x.traffic * act["quad"])  # the s*s part, per token
+    elem_f = tok * (x.traffic_rep * act["rep"] + x.traffic * act["split"] + quad_b) / hbm
     if sw.precision == "fp8" and sw.fp8_scaling == "rowwise":  # per-operand amax + cast kernels
         elem_f = elem_f + co.fp8_rowwise_cast_bytes * tok * fp8_operand_elems(ms, tp) / hbm
     head_f = 2 * tok * float(ms.hidden) * ms.vocab / tp / (
         peak * co.mm_eff_max * x.g_tok * _g(ms.vocab / tp, co.mm_dim_half))
     loss_tp = 1.0 if sw.gathered_logits else tp  # the loss sees 1/tp of the vocabulary or all
     return Compute(mm=mm_f, attn=attn_f, elem=elem_f,
-                   quad_elem=x.traffic * tok * act["quad"] / hbm,
+                   quad_elem=tok * quad_b / hbm,
                    layer_f=mm_f + attn_f + elem_f + co.kernel_overhead_s,
                    layer_b=2 * mm_f + attn_bwd_factor(sw) * attn_f + 2 * elem_f
                    + 2 * co.kernel_overhead_s,

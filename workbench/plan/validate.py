@@ -111,6 +111,9 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
                   "p2p_tp_split": "separate-gate-up" not in n,
                   "p2p_blocking": "separate-gate-up" in n,
                   "unfused_norm": "eager-elementwise" in n,
+                  # its `kernel: torch` attention core, op by op (Software.eager_softmax_bytes)
+                  "eager_softmax_bytes": (4.0 if "softmax-fp32" in n else 2.0)
+                  if "kerneltorch" in n else 0.0,
                   # its SwiGLU and RoPE are eager with or without the RMS kernel (Software)
                   "eager": facts["eager"] or "separate-gate-up" in n,
                   "norm_kernel": "separate-gate-up" in n and "eager-elementwise" not in n,
