@@ -9,6 +9,7 @@ test_parallel.py."""
 
 from __future__ import annotations
 
+import statistics
 from typing import Dict, List
 
 import pytest
@@ -21,9 +22,12 @@ from workbench.testing.multirank import Case, run_cases, run_single
 pytestmark = pytest.mark.slow
 
 REL_TOL = 1e-4
-# Gradient norms: the rewarm right after the switch makes a loss spike (step 5), where the norm
-# is sensitive to summation order; TP measured 1.6e-4 there (dense TP: 1e-6), ~1e-6 elsewhere.
-GRAD_NORM_TOL = 1e-3
+# Gradient norms: the rewarm after the switch makes a loss spike (steps 5-6), where the norm is
+# sensitive to summation order: measured there TP 2.5e-4, CP 1.3e-3 (step 6 on an AVX-512 CPU,
+# where the losses still agree to 1e-6; dense TP: 1e-6). Elsewhere ~1e-6, so the median over the
+# steps is held tight: a wrong gradient moves every step, rounding only the ill-conditioned ones.
+GRAD_NORM_TOL = 3e-3
+GRAD_NORM_MEDIAN_TOL = 2e-5
 STEPS = 12
 SWITCH_STEP = 3  # first low-rank step: round(0.25 * 12)
 BASE = ["model=gpt_tiny", f"train.steps={STEPS}", "train.global_batch=8",
@@ -82,7 +86,9 @@ def test_lowrank_losses_match_single_process(runs, name):
     assert max(errs) < REL_TOL, (got, want)
     norms = [h["grad_norm"] for h in result["history"]]
     ref_norms = [h["grad_norm"] for h in runs["ref"]["history"]]
-    assert max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)) < GRAD_NORM_TOL
+    norm_errs = [abs(a - b) / abs(b) for a, b in zip(norms, ref_norms)]
+    assert max(norm_errs) < GRAD_NORM_TOL
+    assert statistics.median(norm_errs) < GRAD_NORM_MEDIAN_TOL
     per_step = [h["comm/bytes_per_step"] for h in result["history"]]
     print(f"{name}: bytes/step before {per_step[SWITCH_STEP - 1]:.0f} after {per_step[-1]:.0f}")
     # the factorized model is smaller: fewer trainable parameters after the switch
