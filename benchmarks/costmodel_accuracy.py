@@ -171,22 +171,27 @@ def twin_agreement(pairs: list) -> dict[tuple[str, str], tuple[float, str, int]]
     return out
 
 
-def kernel_ratios(pairs: list) -> list[tuple[str, str, str, int, float, float]]:
+def kernel_ratios(pairs: list, by: str = "kernel"
+                  ) -> list[tuple[str, str, str, int, float, float]]:
     """[(source, sweep base, "slow / fast" tags, common layouts, measured, predicted)]: the
-    median time ratio of the same layouts under two kernels of one sheet, as measured and as
-    the model predicts it, oriented so that the measured ratio is >= 1.
+    median time ratio of the same layouts under two kernels of one sheet (by="kernel": the tag
+    in the model name) or two values of a layout column (by="cp_or_sp": sequence parallel on
+    and off, the rest of the layout equal), as measured and as the model predicts it, oriented
+    so that the measured ratio is >= 1.
 
     Why: the twins' rank agreement says whether a sheet orders its layouts reproducibly; the
-    ratio says whether the model prices a kernel choice (flash vs fused softmax vs eager
-    attention) as the measurements do, which is the question a user asks of it."""
+    ratio says whether the model prices a choice (flash vs fused softmax vs eager attention,
+    sequence parallelism) as the measurements do, which is the question a user asks of it."""
+    keys = LAYOUT_KEYS if by == "kernel" else tuple(k for k in LAYOUT_KEYS if k != by)
     series: dict[tuple[str, str, str, str], dict[tuple, tuple[float, float]]] = defaultdict(dict)
     for row, meas, pred in pairs:
-        base, _, tag = row["model"].partition(" [")
+        base, _, tag = row["model"].partition(" [") if by == "kernel" else \
+            (row["model"], "", row.get(by, ""))
         if not tag:
             continue
         t_m, t_p = (meas, pred) if row["metric"] in LOWER_IS_BETTER else (1 / meas, 1 / pred)
         series[(row["source_group"], base, row["n_gpus"], tag.rstrip("]"))][
-            tuple(row.get(k, "") for k in LAYOUT_KEYS)] = (t_m, t_p)
+            tuple(row.get(k, "") for k in keys)] = (t_m, t_p)
     out = []
     for (src, base, n, tag), mine in series.items():
         for (src2, base2, n2, tag2), theirs in series.items():
@@ -202,13 +207,14 @@ def kernel_ratios(pairs: list) -> list[tuple[str, str, str, int, float, float]]:
 
 
 def report_kernel_ratios(pairs: list) -> None:
-    got = kernel_ratios(pairs)
-    if got:
-        print("\nkernel twins: step-time ratio of the same layouts under two kernels (median; "
-              "see kernel_ratios):")
-    for src, sweep, tags, n, meas, pred in got:
-        print(f"  {src:<20}{sweep:<22}{tags:<34}layouts={n:<3}measured x{meas:.2f} "
-              f"predicted x{pred:.2f}")
+    for by, what in (("kernel", "two kernels"), ("cp_or_sp", "two cp_or_sp values")):
+        got = kernel_ratios(pairs, by)
+        if got:
+            print(f"\n{by} twins: step-time ratio of the same layouts under {what} (median; "
+                  "see kernel_ratios):")
+        for src, sweep, tags, n, meas, pred in got:
+            print(f"  {src:<20}{sweep[:52]:<53}{tags:<34}layouts={n:<3}measured x{meas:.2f} "
+                  f"predicted x{pred:.2f}")
 
 
 def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:

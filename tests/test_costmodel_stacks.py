@@ -89,6 +89,20 @@ def test_whole_tensor_blocking_pipeline_sends_cost_tp_times_the_transfers(pp: in
     assert 0 < split and bytes_ratio / 2 < whole / split <= bytes_ratio
 
 
+def test_a_sequence_parallel_stage_sends_its_shard_even_whole_tensor_stacks() -> None:
+    """Under sequence parallelism a stage's output is already split over the sequence on the TP
+    ranks (the scaling code reduce-scatters every layer's output to its sequence shard), so each
+    TP rank sends 1/tp of it: the whole-tensor stack then moves Megatron's bytes per transfer."""
+    def p2p(sp: bool, split: bool) -> float:
+        lay = Layout(dp_replicate=1, tp=4, pp=4, sequence_parallel=sp, micro_batch=1,
+                     grad_accum=4)
+        sw = Software(p2p_tp_split=split, p2p_blocking=True)
+        return _est(lay, sw, 16).time_s["time_pp_p2p_s"]
+
+    assert p2p(True, False) == pytest.approx(p2p(True, True), rel=1e-12)
+    assert p2p(False, False) > 2 * p2p(True, False)
+
+
 def test_gathered_logits_are_not_divided_by_tp() -> None:
     """A vocab-parallel loss holds 1/tp of the logits per rank; gathering them first holds the
     whole vocabulary on every rank, plus the gathered 16-bit copy (12 + 2 bytes per logit), and

@@ -126,7 +126,8 @@ class Software:
     # the reverse), so 2 transfers, not 4, are on the path of each micro-batch: an event
     # simulation of that instruction order with rendezvous send/recv gives 2.0 transfer times
     # per micro-batch slot at pp 2 and 3.7-3.8 at pp 4-8 (ga 64), and with free transfers the
-    # 1F1B time (ga + pp - 1)(f + b) exactly.
+    # 1F1B time (ga + pp - 1)(f + b) exactly. Under sequence parallelism either stack's stage
+    # output is already split over the sequence on the TP ranks, so each sends its 1/tp shard.
     p2p_tp_split: bool = True
     p2p_blocking: bool = False
 

@@ -285,9 +285,9 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     t_fwd, t_bwd, t_rec, t_tp, t_cp = stages.stage_times(
         x.ranks, pp, (f_l, c.layer_b, rec_l, tp_l, cp_l), emb, head)
     bw_pp = group_bw(2, a["tp"] * x.dpr * x.dps, hw, co)  # neighbours one stage apart
-    p2p_bytes = x.tok * float(ms.hidden) * e / (a["tp"] if sw.p2p_tp_split else 1.0)
-    # see Software.p2p_blocking: a middle stage waits on 4 blocking transfers, an end stage 2
-    transfers = np.where(pp > 2, 4.0, 2.0) if sw.p2p_blocking else 2.0
+    split = np.where(sw.p2p_tp_split | (a["sp"] > 0), a["tp"], 1.0)  # Software.p2p_tp_split
+    p2p_bytes = x.tok * float(ms.hidden) * e / split
+    transfers = np.where(pp > 2, 4.0, 2.0) if sw.p2p_blocking else 2.0  # Software.p2p_blocking
     t_p2p = np.where(a["pp"] > 1, transfers * x.vv * (p2p_bytes / bw_pp + co.p2p_latency_s), 0.0)
     p_layer = ms.mean_layer_params()
     p_ranks, p_mp = stages.rank_params(x.ranks, pp, p_layer, ms.embed_params, ms.head_params,
