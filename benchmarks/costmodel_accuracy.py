@@ -176,8 +176,8 @@ def kernel_ratios(pairs: list, by: str = "kernel"
     """[(source, sweep base, "slow / fast" tags, common layouts, measured, predicted)]: the
     median time ratio of the same layouts under two kernels of one sheet (by="kernel": the tag
     in the model name) or two values of a layout column (by="cp_or_sp": sequence parallel on
-    and off, the rest of the layout equal), as measured and as the model predicts it, oriented
-    so that the measured ratio is >= 1.
+    and off; "recompute"; "micro_batch"; the rest of the layout equal), as measured and as the
+    model predicts it, oriented so that the measured ratio is >= 1.
 
     Why: the twins' rank agreement says whether a sheet orders its layouts reproducibly; the
     ratio says whether the model prices a choice (flash vs fused softmax vs eager attention,
@@ -207,7 +207,8 @@ def kernel_ratios(pairs: list, by: str = "kernel"
 
 
 def report_kernel_ratios(pairs: list) -> None:
-    for by, what in (("kernel", "two kernels"), ("cp_or_sp", "two cp_or_sp values")):
+    for by, what in (("kernel", "two kernels"), ("cp_or_sp", "two cp_or_sp values"),
+                     ("recompute", "two recompute policies"), ("micro_batch", "two micro-batches")):
         got = kernel_ratios(pairs, by)
         if got:
             print(f"\n{by} twins: step-time ratio of the same layouts under {what} (median; "
