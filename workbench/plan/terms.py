@@ -193,8 +193,7 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
     if not sw.cp_allgather:
         attn_f = attn_f * ring_attention_factor(cp, s, sw, co) \
             + (cp - 1) * co.ring_merge_bytes * tok * ms.q_width / tp / hbm
-    act = x.act
-    quad_b = quad_fwd_bytes(ms, sw, tp, x.traffic * act["quad"])  # the s*s part, per token
+    act, quad_b = x.act, quad_fwd_bytes(ms, sw, tp, x.traffic * x.act["quad"])  # s*s, per token
     elem_f = tok * (x.traffic_rep * act["rep"] + x.traffic * act["split"] + quad_b) / hbm
     if sw.precision == "fp8" and sw.fp8_scaling == "rowwise":  # per-operand amax + cast kernels
         elem_f = elem_f + co.fp8_rowwise_cast_bytes * tok * fp8_operand_elems(ms, tp) / hbm
