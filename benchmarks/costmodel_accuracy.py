@@ -141,6 +141,28 @@ LAYOUT_KEYS = ("tp", "pp", "dp", "cp_or_sp", "virtual_stages", "micro_batch", "g
                "recompute", "zero_or_fsdp", "precision", "stage_layers")
 
 
+def _twins(pairs: list, by: str = "kernel"):
+    """Every ordered pair of one sweep's variants that measured >= SWEEP_MIN common layouts:
+    ((source, base, GPUs), tag, other tag, {layout: (measured, time measured, time predicted)}
+    for each). A variant is the kernel tag in the model name (by="kernel") or the value of a
+    layout column (by="cp_or_sp", "recompute", ...), the layout then being the other columns."""
+    keys = LAYOUT_KEYS if by == "kernel" else tuple(k for k in LAYOUT_KEYS if k != by)
+    sweeps: dict[tuple[str, str, str], dict[str, dict[tuple, tuple[float, float, float]]]] = \
+        defaultdict(lambda: defaultdict(dict))
+    for row, meas, pred in pairs:
+        base, _, tag = row["model"].partition(" [") if by == "kernel" else \
+            (row["model"], "", row.get(by, ""))
+        t_m, t_p = (meas, pred) if row["metric"] in LOWER_IS_BETTER else (1 / meas, 1 / pred)
+        sweeps[(row["source_group"], base, row["n_gpus"])][tag.rstrip("]")][
+            tuple(row.get(k, "") for k in keys)] = (meas, t_m, t_p)
+    for sweep, variants in sweeps.items():
+        for tag, mine in variants.items():
+            for tag2, theirs in variants.items():
+                common = sorted(set(mine) & set(theirs))
+                if tag2 != tag and len(common) >= SWEEP_MIN:
+                    yield sweep, tag, tag2, [(mine[k], theirs[k]) for k in common]
+
+
 def twin_agreement(pairs: list) -> dict[tuple[str, str], tuple[float, str, int]]:
     """{(source, sweep name): (Spearman, twin's tag, common layouts)} between a sweep's measured
     figures and those of its twin: the same source, model and GPU count measured with another
@@ -152,22 +174,13 @@ def twin_agreement(pairs: list) -> dict[tuple[str, str], tuple[float, str, int]]
     the order of the layouts' differences. With independent noise of equal size in each sheet, a
     noise-free model's rank correlation with one sheet is about the square root of the twins'
     agreement: the ceiling that a sweep's `rho` can be read against."""
-    series: dict[tuple[str, str, str, str], dict[tuple, float]] = defaultdict(dict)
-    for row, meas, _ in pairs:
-        base, _, tag = row["model"].partition(" [")
-        series[(row["source_group"], base, row["n_gpus"], tag.rstrip("]"))][
-            tuple(row.get(k, "") for k in LAYOUT_KEYS)] = meas
     out: dict[tuple[str, str], tuple[float, str, int]] = {}
-    for (src, base, n, tag), mine in series.items():
-        for (src2, base2, n2, tag2), theirs in series.items():
-            common = sorted(set(mine) & set(theirs))
-            if (src2, base2, n2) != (src, base, n) or tag2 == tag or len(common) < SWEEP_MIN:
-                continue
-            rho = spearman([mine[k] for k in common], [theirs[k] for k in common])
-            name = f"{base} [{tag}] n={n}" if tag else f"{base} n={n}"
-            best = out.get((src, name))
-            if best is None or (len(common), rho) > (best[2], best[0]):
-                out[(src, name)] = (rho, tag2, len(common))
+    for (src, base, n), tag, tag2, both in _twins(pairs):
+        rho = spearman([a[0] for a, _ in both], [b[0] for _, b in both])
+        name = f"{base} [{tag}] n={n}" if tag else f"{base} n={n}"
+        best = out.get((src, name))
+        if best is None or (len(both), rho) > (best[2], best[0]):
+            out[(src, name)] = (rho, tag2, len(both))
     return out
 
 
@@ -182,27 +195,15 @@ def kernel_ratios(pairs: list, by: str = "kernel"
     Why: the twins' rank agreement says whether a sheet orders its layouts reproducibly; the
     ratio says whether the model prices a choice (flash vs fused softmax vs eager attention,
     sequence parallelism) as the measurements do, which is the question a user asks of it."""
-    keys = LAYOUT_KEYS if by == "kernel" else tuple(k for k in LAYOUT_KEYS if k != by)
-    series: dict[tuple[str, str, str, str], dict[tuple, tuple[float, float]]] = defaultdict(dict)
-    for row, meas, pred in pairs:
-        base, _, tag = row["model"].partition(" [") if by == "kernel" else \
-            (row["model"], "", row.get(by, ""))
-        if not tag:
-            continue
-        t_m, t_p = (meas, pred) if row["metric"] in LOWER_IS_BETTER else (1 / meas, 1 / pred)
-        series[(row["source_group"], base, row["n_gpus"], tag.rstrip("]"))][
-            tuple(row.get(k, "") for k in keys)] = (t_m, t_p)
     out = []
-    for (src, base, n, tag), mine in series.items():
-        for (src2, base2, n2, tag2), theirs in series.items():
-            common = set(mine) & set(theirs)
-            if (src2, base2, n2) != (src, base, n) or tag2 <= tag or len(common) < SWEEP_MIN:
-                continue
-            m = statistics.median(mine[k][0] / theirs[k][0] for k in common)
-            p = statistics.median(mine[k][1] / theirs[k][1] for k in common)
-            slow, fast = (tag, tag2) if m >= 1 else (tag2, tag)
-            out.append((src, f"{base} n={n}", f"{slow} / {fast}", len(common),
-                        max(m, 1 / m), p if m >= 1 else 1 / p))
+    for (src, base, n), tag, tag2, both in _twins(pairs, by):
+        if not tag or tag2 <= tag:  # each unordered pair once, untagged rows are no variant
+            continue
+        m = statistics.median(a[1] / b[1] for a, b in both)
+        p = statistics.median(a[2] / b[2] for a, b in both)
+        slow, fast = (tag, tag2) if m >= 1 else (tag2, tag)
+        out.append((src, f"{base} n={n}", f"{slow} / {fast}", len(both),
+                    max(m, 1 / m), p if m >= 1 else 1 / p))
     return sorted(out)
 
 
