@@ -93,9 +93,7 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
     dps, dpr = float(x.dps[0]), float(x.dpr[0])
     groups = {"tensor parallel": (layout.tp, 1), "context parallel": (layout.cp, layout.tp),
               "data parallel, sharded": (dps, layout.tp),
-              # CP ranks folded into the replicate group sit next to TP (terms.data_parallel)
-              "data parallel, replicated": (dpr, layout.tp * (1 if dpr > layout.dp_replicate
-                                                              else dps)),
+              "data parallel, replicated": (dpr, float(x.dpr_stride[0])),
               "pipeline send": (2 if layout.pp > 1 else 1, layout.tp * dpr * dps)}
     mem = {label: float(t[k][0]) for label, k in MEMORY_LINES}
     mem[FIXED_LABEL] = float(t["mem_fixed_bytes"][0] - t["mem_fragmentation_bytes"][0])

@@ -100,6 +100,7 @@ class Setup:
     a: Columns
     dps: np.ndarray  # the parameter-sharding group: dp_shard (x cp where Software says so)
     dpr: np.ndarray  # the gradient all-reduce group: dp_replicate (x cp in Megatron-Core)
+    dpr_stride: np.ndarray  # its ranks' distance: tp when CP ranks joined it (next to TP)
     tok: np.ndarray  # tokens of one micro-batch on one rank (GEMM rows)
     ls: np.ndarray  # layers on the fullest pipeline rank
     ranks: tuple[np.ndarray, np.ndarray, np.ndarray]  # layers on the first, a middle, the last
@@ -125,8 +126,9 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
                             for f in (co.eager_elem_factor, 1.0 if sw.norm_kernel
                                       else co.eager_rep_factor))
     cp_shard = a["cp"] if sw.cp_shards_params else 1.0
-    return Setup(a=a, dps=a["dps"] * cp_shard, dpr=a["dpr"] * (a["cp"] / cp_shard), tok=tok,
-                 ls=ls, ranks=ranks,
+    dps, dpr = a["dps"] * cp_shard, a["dpr"] * (a["cp"] / cp_shard)
+    return Setup(a=a, dps=dps, dpr=dpr, tok=tok, ls=ls, ranks=ranks,
+                 dpr_stride=a["tp"] * np.where(dpr > a["dpr"], 1.0, dps),
                  vv=np.where(a["sched"] == Schedule.INTERLEAVED_1F1B, a["v"], 1.0),
                  g_tok=_g(tok, co.mm_dim_half),
                  act=activation_bytes_per_token(ms, sw, a["tp"], a["sp"]), full_frac=full_frac,
@@ -204,8 +206,7 @@ def compute(ms: ModelShape, co: Coefficients, sw: Software, x: Setup) -> Compute
                    quad_elem=tok * quad_b / hbm,
                    layer_f=mm_f + attn_f + elem_f + co.kernel_overhead_s,
                    layer_b=2 * mm_f + attn_bwd_factor(sw) * attn_f + 2 * elem_f
-                   + 2 * co.kernel_overhead_s,
-                   head=head_f,
+                   + 2 * co.kernel_overhead_s, head=head_f,
                    loss=sw.loss_fwd_bytes_per_logit(x.traffic) * tok * ms.vocab / loss_tp / hbm)
 
 
@@ -313,8 +314,7 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
                                                                + sw.grad_reduce_bytes)
                        / bw_dps + 3 * lat_dps * (ls + 1), 0.0)
     fsdp_exposed = np.maximum(fsdp_mb * (1 - ov_fsdp), fsdp_mb - (st.fwd + st.bwd + st.rec))
-    # CP ranks in the replicate group (Megatron-Core) sit next to the TP ranks: stride tp
-    bw_dpr, lat_dpr = _link(dpr, tp * np.where(dpr > x.a["dpr"], 1.0, dps), hw, co)
+    bw_dpr, lat_dpr = _link(dpr, x.dpr_stride, hw, co)
     ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
     ddp_lat = np.where(dpr > 1, lat_dpr, 0.0)
     if sw.dist_optimizer:  # reduce-scatter behind the last backward, gather behind a forward
