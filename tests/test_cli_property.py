@@ -67,7 +67,8 @@ def test_random_overrides_run_or_exit_2_with_one_line(ovs, workdir, capsys):
 
 
 @pytest.mark.parametrize("ovs", [["model.n_heads=3"], ["model.n_kv_heads=3", "model.n_heads=4"],
-                                 ["train.micro_batch=3"]])
+                                 ["train.micro_batch=3"],
+                                 ["train.seed=-1"]])  # found by the property test above
 def test_known_bad_combinations(ovs, workdir, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tracking=none", *ovs])

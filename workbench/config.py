@@ -333,6 +333,8 @@ def validate(cfg: RunConfig) -> None:
     if m.family == "llama" and (m.hidden // m.n_heads) % 2:
         raise ConfigError("model.hidden", m.hidden,
                           "hidden / n_heads must be even for rotary embeddings")
+    if not 0 <= t.seed < 2**63:  # numpy's SeedSequence and torch both need this range
+        raise ConfigError("train.seed", t.seed, "must be an integer in [0, 2**63)")
     if t.micro_batch < 0:
         raise ConfigError("train.micro_batch", t.micro_batch,
                           "must be >= 0 (0 = as large as the global batch allows per dp rank)")
