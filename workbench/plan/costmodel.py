@@ -17,8 +17,9 @@ from workbench.layout import Layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.columns import Columns, layout_columns
 from workbench.plan.hardware import GpuSpec, spec_of_cluster
+from workbench.plan.memory_terms import recompute_fractions
 from workbench.plan.shapes import ModelShape, model_shape
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS, Software, evaluate, recompute_fractions
+from workbench.plan.terms import MEM_TERMS, TIME_TERMS, Software, evaluate
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ def allreduce_s(payload_bytes: float, n_ranks: int, link: Link, n_collectives: i
     inside = link.intra_bytes_per_s > 0 and n_ranks <= link.ranks_per_node
     bw = link.intra_bytes_per_s if inside else link.bytes_per_s
     # NCCL switches to trees (and hierarchical rings) at scale: ~1 + log2 N latency steps, as
-    # the cost model's terms._link counts them; gloo's ring pays every hop.
+    # the cost model's links.collective_link counts them; gloo's ring pays every hop.
     hops = 2 * (n_ranks - 1) if link.ring_latency else 1 + math.log2(n_ranks)
     return 2 * (n_ranks - 1) / n_ranks * payload_bytes / bw \
         + n_collectives * hops * link.hop_latency_s

@@ -19,8 +19,9 @@ from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.columns import layout_columns
 from workbench.plan.costmodel import _to_estimate, hardware_for, software_for
 from workbench.plan.hardware import GIB, GpuSpec
+from workbench.plan.links import group_bw, nic_rails
 from workbench.plan.shapes import model_shape
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate, group_bw, nic_rails, setup
+from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate, setup
 from workbench.plan.validate import engine_only
 
 # (label, key in terms.evaluate) in print order; the buffer and fixed lines are their parts.
@@ -108,7 +109,7 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
 
 
 def _link_of(size: float, stride: float, hw: GpuSpec, co: Coefficients) -> Link:
-    """The terms' own bandwidth for a group (terms.group_bw) and what it assumed: a user whose
+    """The terms' own bandwidth for a group (links.group_bw) and what it assumed: a user whose
     stack's collectives do not use a NIC per member (hagemann2023's in-step sync ran 6-9x
     slower than this) sees the assumption here and sets cluster.inter_node_gbps to match."""
     n, st = np.array([float(size)]), np.array([float(stride)])

@@ -19,7 +19,7 @@ of unlike stages:
   per-stage speed, solved exactly by bisection on the stage time T: stage s holds at most
   min(cap_s, floor((T - e_s) / c_s)) layers, and T is feasible when those hold every layer.
 
-A transfer between stages on one pool uses the pool's links (terms.group_bw); between pools it
+A transfer between stages on one pool uses the pool's links (links.group_bw); between pools it
 pays the cluster's link between them (workbench.plan.pools).
 """
 
@@ -30,15 +30,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from workbench.plan.columns import Columns
+from workbench.plan.links import collective_link, group_bw
+from workbench.plan.memory_terms import LOSS_BYTES_PER_LOGIT
 from workbench.plan.pools import Link, Pool
 from workbench.plan.shapes import ModelShape
 from workbench.plan.terms import (
-    LOSS_BYTES_PER_LOGIT,
     OPTIMIZER_BYTES_PER_PARAM,
     Software,
-    _link,
     evaluate,
-    group_bw,
 )
 
 STATE = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes")
@@ -95,7 +94,7 @@ def pool_costs(ms: ModelShape, pool: Pool, sw: Software, a: Columns, gb: float) 
     p2p_bytes = tok * ms.hidden * sw.act_bytes / tp
     p2p = p2p_bytes / group_bw(2.0 * np.ones_like(tp), tp * b["dpr"] * b["dps"], spec, co) \
         + co.p2p_latency_s
-    bw_dp, lat_dp = _link(b["dpr"], tp, spec, co)
+    bw_dp, lat_dp = collective_link(b["dpr"], tp, spec, co)
     dp = b["dpr"]
     keep = 1.0 - (co.dp_overlap if sw.overlap_dp else 0.0)
     per_param = np.where(dp > 1, 2 * (dp - 1) / dp * ms.dp_bytes_ratio * sw.grad_reduce_bytes

@@ -22,14 +22,14 @@ from workbench.plan.coefficients import Coefficients
 from workbench.plan.columns import Columns, Schedule
 from workbench.plan.gemm_tiles import tile_fill
 from workbench.plan.hardware import GpuSpec
-from workbench.plan.memory_terms import LOSS_BYTES_PER_LOGIT as LOSS_BYTES_PER_LOGIT  # re-export
+from workbench.plan.links import collective_link, group_bw
 from workbench.plan.memory_terms import (
     activation_bytes_per_token,
     loss_bytes_per_token,
     quad_fwd_bytes,
+    recompute_fractions,
     state_bytes_per_param,
 )
-from workbench.plan.memory_terms import recompute_fractions as recompute_fractions  # re-exported
 from workbench.plan.shapes import Linear, ModelShape, fp8_operand_elems
 from workbench.plan.software import Software as Software  # re-exported: built beside the terms
 
@@ -46,31 +46,6 @@ MEM_TERMS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
 def _g(d: np.ndarray | float, half: float) -> np.ndarray:
     """Fraction of GEMM efficiency kept at dimension d (tile/wave quantization)."""
     return d / (d + half)
-
-
-def nic_rails(size: np.ndarray, stride: np.ndarray, hw: GpuSpec) -> np.ndarray:
-    """Members of a group that share a node: a group spanning nodes runs one ring per member
-    (rail), each over its own NIC, so cross-node bandwidth adds up across them (NCCL)."""
-    return np.clip(hw.gpus_per_node / np.maximum(stride, 1), 1, np.maximum(size, 1))
-
-
-def group_bw(size: np.ndarray, stride: np.ndarray, hw: GpuSpec, co: Coefficients) -> np.ndarray:
-    """Bytes/s of a group of `size` ranks `stride` apart: NVLink when it fits in one node, else
-    the NICs of the members on one node together, never more than NVLink."""
-    intra_bw = hw.intra_node_gbps * co.link_eff_intra
-    inter_bw = np.minimum(hw.inter_node_gbps * co.link_eff_inter * nic_rails(size, stride, hw),
-                          intra_bw)
-    return np.where(size * stride <= hw.gpus_per_node, intra_bw, inter_bw) * 1e9
-
-
-def _link(size: np.ndarray, stride: np.ndarray, hw: GpuSpec, co: Coefficients
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes/s, latency s) of one collective over `size` ranks `stride` apart; the latency
-    takes one hop per doubling of the group (tree / ring steps)."""
-    per = np.where(size * stride <= hw.gpus_per_node, co.coll_latency_intra_s,
-                   co.coll_latency_inter_s)
-    hops = np.where(size > 1, per * (1.0 + np.log2(np.maximum(size, 1))), 0.0)
-    return group_bw(size, stride, hw, co), hops
 
 
 def attn_bwd_factor(sw: Software) -> float:
@@ -223,7 +198,7 @@ def communication(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
                   c: Compute) -> Communication:
     """Tensor / sequence parallel and context parallel traffic of one layer."""
     tp, cp, sp, tok, e = x.a["tp"], x.a["cp"], x.a["sp"], x.tok, sw.act_bytes
-    bw_tp, lat_tp = _link(tp, 1, hw, co)
+    bw_tp, lat_tp = collective_link(tp, 1, hw, co)
     # SP: 2 all-gathers + 2 reduce-scatters a pass; FP8 tensorwise gathers travel in 1 byte
     fp8_ag = sw.precision == "fp8" and sw.fp8_scaling == "tensorwise"
     vol = tok * float(ms.hidden) * e * np.where((sp > 0) & fp8_ag, 0.75, 1.0)
@@ -234,7 +209,7 @@ def communication(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
         tp_f = tp_f + np.where((tp > 1) & (sp > 0) & (x.a["mb"] > 1), 8 * vol / x.hbm, 0.0)
     # ring attention: each of cp-1 steps sends this rank's K/V block to the next rank while the
     # current block is computed; only what the step's attention cannot cover is exposed
-    bw_cp, lat_cp = _link(cp, tp, hw, co)
+    bw_cp, lat_cp = collective_link(cp, tp, hw, co)
     kv_step = tok * 2 * ms.kv_width / tp * e / bw_cp + lat_cp / np.maximum(cp, 2)
     attn_step = c.attn / np.maximum(cp, 1)
 
@@ -278,7 +253,7 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     tp_l, cp_l = m.tp * (1 + bwd_tp + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
     head = c.head + c.loss
     if sw.gathered_logits:  # all-gather of the 16-bit logits over the TP group (forward)
-        bw_tp, _ = _link(a["tp"], 1, hw, co)
+        bw_tp, _ = collective_link(a["tp"], 1, hw, co)
         head = head + np.where(a["tp"] > 1, (a["tp"] - 1) / a["tp"] * x.tok * ms.vocab * e
                                / bw_tp, 0.0)
     emb = x.traffic * x.tok * x.act["input"] / x.hbm  # the lookup's rows, written once
@@ -304,7 +279,7 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
     tp, dpr, dps, ga, ls = x.a["tp"], x.dpr, x.dps, x.a["ga"], x.ls
     dp_elems = st.p_mp * ms.dp_bytes_ratio
     ov = co.dp_overlap if sw.overlap_dp else 0.0
-    bw_dps, lat_dps = _link(dps, tp, hw, co)
+    bw_dps, lat_dps = collective_link(dps, tp, hw, co)
     ov_fsdp = ov
     if sw.dp_stack == "deepspeed_zero3":  # flat gathers: one NIC per GPU, no rail aggregation
         nic = hw.inter_node_gbps * co.link_eff_inter * co.zero3_gather_eff * 1e9
@@ -314,7 +289,7 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
                                                                + sw.grad_reduce_bytes)
                        / bw_dps + 3 * lat_dps * (ls + 1), 0.0)
     fsdp_exposed = np.maximum(fsdp_mb * (1 - ov_fsdp), fsdp_mb - (st.fwd + st.bwd + st.rec))
-    bw_dpr, lat_dpr = _link(dpr, x.dpr_stride, hw, co)
+    bw_dpr, lat_dpr = collective_link(dpr, x.dpr_stride, hw, co)
     ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
     ddp_lat = np.where(dpr > 1, lat_dpr, 0.0)
     if sw.dist_optimizer:  # reduce-scatter behind the last backward, gather behind a forward
