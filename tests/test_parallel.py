@@ -1,7 +1,8 @@
 """The hybrid-parallel engine on 2 gloo ranks: every layout that divides a world of 2, with
-recompute none, full and selective, trains with per-step losses equal to the single-process run
-(1e-5 relative); DDP's measured all-reduce bytes equal the gradient bytes; distributed checkpoints
-resume bitwise in the same layout and load equal weights into another layout.
+recompute none, full, selective and selective_op, trains with per-step losses equal to the
+single-process run (1e-5 relative); DDP's measured all-reduce bytes equal the gradient bytes;
+distributed checkpoints resume bitwise in the same layout and load equal weights into another
+layout; the op policy re-sends only what the cost model charges.
 
 All cases run inside ONE spawned process group (workbench.testing.multirank): torchrun would pay
 10-20 s per case. The 4-rank layouts are in test_parallel_4ranks.py (slow).
@@ -42,7 +43,7 @@ LAYOUTS_2: Dict[str, List[str]] = {
     "cp": ["layout.cp=2"],
 }
 RECOMPUTE = ["none", "full"]
-RECOMPUTE_2 = RECOMPUTE + ["selective"]  # every other block; at 2 ranks only
+RECOMPUTE_2 = RECOMPUTE + ["selective", "selective_op"]  # at 2 ranks only
 
 
 def make_cfg(overrides: List[str]) -> RunConfig:
@@ -199,3 +200,25 @@ def test_dcp_loads_into_another_layout_with_equal_weights(two_ranks, target):
     assert loaded["resumed_at"] == 4
     assert loaded["weights"] == saved["weights"]
     assert len(loaded["weights"]) == len(saved["weights"]) > 0
+
+
+def test_op_policy_sends_again_only_what_the_cost_model_charges(two_ranks):
+    """`selective_op` keeps every reduction's output (all-reduce; reduce-scatter under SP), so
+    it re-sends none of them; under SP it redoes the two all-gathers a layer (the cost model:
+    half a pass's TP traffic), micro_batch x seq_len x hidden x 4 bytes each; under CP it
+    redoes the K/V gathers as full recompute does (the cost model: one more forward ring)."""
+    res = two_ranks["results"]
+
+    def comm(name: str, rc: str, kind: str) -> float:
+        return res[f"{name}-rc_{rc}"]["history"][-1][f"comm/{kind}_bytes"]
+
+    cfg = make_cfg(LAYOUTS_2["tp_sp"])
+    m, t = cfg.model, cfg.train
+    gathers = 2 * m.n_layers * (t.global_batch // t.micro_batch)  # dp = 1 under tp 2
+    for kind in ("allreduce", "reduce_scatter", "allgather"):
+        assert comm("tp", "selective_op", kind) == comm("tp", "none", kind), kind
+    assert comm("tp_sp", "selective_op", "reduce_scatter") == comm("tp_sp", "none",
+                                                                    "reduce_scatter")
+    assert comm("tp_sp", "selective_op", "allgather") - comm("tp_sp", "none", "allgather") \
+        == gathers * t.micro_batch * m.seq_len * m.hidden * 4
+    assert comm("cp", "selective_op", "allgather") == comm("cp", "full", "allgather")

@@ -104,7 +104,7 @@ class LayoutConfig:
     pp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | selective | selective_op | full
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     virtual_stages: int = 1
     # Layers of each global pipeline stage (pp * virtual_stages entries, summing to
@@ -240,7 +240,7 @@ class RunConfig:
 CHOICES: Dict[str, List[str]] = {
     "model.family": ["llama", "gpt2"],
     "cluster.device": ["cpu", "cuda"],
-    "layout.recompute": ["none", "selective", "full"],
+    "layout.recompute": ["none", "selective", "selective_op", "full"],
     "layout.pp_schedule": ["gpipe", "1f1b", "interleaved_1f1b"],
     "train.dtype": ["auto", "fp32", "bf16"],
     "data.name": ["stdlib", "tokens"],

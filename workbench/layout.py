@@ -58,7 +58,8 @@ class Layout:
         parts = [f"{_SHORT[n]}{getattr(self, n)}" for n in _KEY_ORDER]
         if self.sequence_parallel:
             parts.append("sp")
-        parts += [f"mb{self.micro_batch}", f"ga{self.grad_accum}", f"rc-{self.recompute}"]
+        parts += [f"mb{self.micro_batch}", f"ga{self.grad_accum}",
+                  f"rc-{self.recompute.replace('_', '-')}"]  # "_" separates the parts
         if self.pp > 1:
             parts.append(f"{self.pp_schedule.replace('_', '-')}-v{self.virtual_stages}")
         if self.stage_layers:
@@ -72,7 +73,7 @@ class Layout:
             if part == "sp":
                 values["sequence_parallel"] = True
             elif part.startswith("rc-"):
-                values["recompute"] = part[3:]
+                values["recompute"] = part[3:].replace("-", "_")
             elif re.fullmatch(r"sl\d+(x\d+)?(-\d+(x\d+)?)*", part):
                 values["stage_layers"] = parse_split(part[2:])
             elif m := re.fullmatch(r"(gpipe|1f1b|interleaved-1f1b)-v(\d+)", part):

@@ -40,6 +40,7 @@ class Recompute(IntEnum):
     NONE = 0
     SELECTIVE = 1
     FULL = 2
+    SELECTIVE_OP = 3  # every block, keeping some op outputs (train/parallel/recompute.py)
 
 
 class Schedule(IntEnum):
@@ -51,7 +52,7 @@ class Schedule(IntEnum):
 
 
 # The config's spellings in code order (Layout.recompute, Layout.pp_schedule hold these).
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full", "selective_op")
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 assert len(RECOMPUTE) == len(Recompute) and len(SCHEDULES) == len(Schedule)
 

@@ -116,17 +116,52 @@ def mlp_tensors(ms: ModelShape, sw: Software) -> int:
     return 4 if sw.unfused_swiglu else 3
 
 
-def recompute_fractions(rc: np.ndarray, sw: Software) -> tuple[np.ndarray, np.ndarray]:
-    """(share of layers fully checkpointed, 1 where only the attention core is recomputed).
+def recompute_fractions(rc: np.ndarray, sw: Software
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(share of layers fully checkpointed, 1 where only the attention core is recomputed,
+    1 where the op policy checkpoints every layer: op_policy_items).
 
     full: every layer keeps only its input (Korthikanti "full"). selective: without fused
     attention, Korthikanti's selective recompute of the s*s attention core; with fused attention
     there is no s*s tensor to drop, so selective means checkpointing every other layer
     (torchtitan's selective layer policy, ac_freq=2)."""
+    op, full = np.where(rc == Recompute.SELECTIVE_OP, 1.0, 0.0), rc == Recompute.FULL
     if sw.flash_attention:
-        return np.where(rc == Recompute.FULL, 1.0, np.where(rc == Recompute.SELECTIVE, 0.5, 0.0)), \
-            np.zeros_like(rc)
-    return np.where(rc == Recompute.FULL, 1.0, 0.0), np.where(rc == Recompute.SELECTIVE, 1.0, 0.0)
+        return np.where(full, 1.0, np.where(rc == Recompute.SELECTIVE, 0.5, 0.0)), \
+            np.zeros_like(rc), op
+    return np.where(full, 1.0, 0.0), np.where(rc == Recompute.SELECTIVE, 1.0, 0.0), op
+
+
+def op_policy_items(ms: ModelShape, sw: Software, act: dict[str, np.ndarray], tp: np.ndarray,
+                    sp: np.ndarray) -> tuple[float, np.ndarray]:
+    """(share of a block's forward GEMM FLOPs that `selective_op` redoes, bytes per token and
+    layer it keeps), for the op policy of train/parallel/recompute.py, which makes the trade of
+    torchtitan's `selective_ac_option = "op"` (models/llama3/infra/parallelize.py `_save_list`,
+    2024-12 to 2025-06): the 1st, 3rd, ... matmul (aten.mm) of the block's forward keeps its
+    output and the others are redone with every elementwise op; the attention core and the
+    reductions (reduce-scatter; this engine's all-reduce too) keep theirs, and an SP all-gather
+    is redone (stage() charges it). For a Llama block that keeps q, v, w1 and w2 (a row-parallel
+    output is the whole hidden width before its reduction) and redoes k, o and w3, about a
+    third of the GEMM FLOPs. FP8 linears run aten._scaled_mm, which the list does not name, so
+    every block GEMM is redone and none kept: the torchtitan_h200 rows' published peaks (47.96
+    and 46.97 GiB, FP8, op policy, compiled) are what that predicts (45.6 / 43.7), not what
+    saving them would (69.6 / 67.8). Kept besides: the block's input and the attention output
+    and statistics of a fused attention core (an eager core's batched matmuls and softmax are
+    not on the list: they are redone). A factorized block's factors count as matmuls in order."""
+    e, h, f_lr = sw.act_bytes, float(ms.hidden), ms.lowrank_layers / ms.n_layers
+    share, split, whole = 0.0, 0.0, 0.0
+    for linears, weight in ((ms.dense, 1 - f_lr), (ms.lowrank, f_lr)):
+        if not linears or not weight:
+            continue
+        flops = [m * n for m, n, _ in linears]
+        share += weight * sum(flops[1::2]) / sum(flops)
+        split += weight * sum(n for _, n, col in linears[::2] if col)
+        whole += weight * sum(n for _, n, col in linears[::2] if not col)
+    if sw.precision == "fp8":
+        share, split, whole = 1.0, 0.0, 0.0
+    reductions = np.where(tp > 1, np.where(sp > 0, 2 * h / tp, 2 * h), 0.0)
+    core = act["quad"] + e * ms.q_width / tp if sw.flash_attention else 0.0
+    return share, act["input"] + core + e * (split / tp + whole + reductions)
 
 
 def state_bytes_per_param(sw: Software, dps: np.ndarray, dpr: np.ndarray, w_bytes: float

@@ -26,6 +26,7 @@ from workbench.plan.links import collective_link, group_bw
 from workbench.plan.memory_terms import (
     activation_bytes_per_token,
     loss_bytes_per_token,
+    op_policy_items,
     quad_fwd_bytes,
     recompute_fractions,
     state_bytes_per_param,
@@ -84,6 +85,8 @@ class Setup:
     act: Arrays  # activation bytes per token and layer (activation_bytes_per_token)
     full_frac: np.ndarray  # share of layers fully recomputed (recompute_fractions)
     sel_attn: np.ndarray  # 1 where only the attention core is recomputed
+    op: np.ndarray  # 1 under the op policy; its GEMM share redone, bytes kept per token
+    op_items: tuple[float, np.ndarray]  # (memory_terms.op_policy_items)
     peak: float  # dense FLOP/s in the compute precision
     sms: float  # SMs GEMM tiles are quantized over (0: the smooth mm_dim_half curve instead)
     hbm: float  # achieved HBM bytes/s
@@ -95,7 +98,8 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
     tok = a["mb"] * float(ms.seq_len) / a["cp"]
     ranks = stages.rank_layers(ms.n_layers, a["pp"], a["v"], a["lf"], a["ll"], a["lm"])
     ls = np.maximum(np.maximum(ranks[0], ranks[1]), ranks[2])
-    full_frac, sel_attn = recompute_fractions(a["rc"], sw)
+    full_frac, sel_attn, op = recompute_fractions(a["rc"], sw)
+    act = activation_bytes_per_token(ms, sw, a["tp"], a["sp"])
     traffic, traffic_rep = (co.elem_traffic * (co.compile_elem_factor if sw.compiled else f
                                                if sw.eager else 1.0)
                             for f in (co.eager_elem_factor, 1.0 if sw.norm_kernel
@@ -106,8 +110,8 @@ def setup(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, a: Column
                  dpr_stride=a["tp"] * np.where(dpr > a["dpr"], 1.0, dps),
                  vv=np.where(a["sched"] == Schedule.INTERLEAVED_1F1B, a["v"], 1.0),
                  g_tok=_g(tok, co.mm_dim_half),
-                 act=activation_bytes_per_token(ms, sw, a["tp"], a["sp"]), full_frac=full_frac,
-                 sel_attn=sel_attn,
+                 act=act, full_frac=full_frac, sel_attn=sel_attn, op=op,
+                 op_items=op_policy_items(ms, sw, act, a["tp"], a["sp"]),
                  peak=hw.peak_fp32_flops if sw.precision == "fp32" else hw.peak_bf16_flops,
                  sms=hw.sm_count * (co.gemm_tile_waves > 0),
                  hbm=hw.hbm_bw_bytes_per_s * co.hbm_eff, traffic=traffic,
@@ -247,10 +251,15 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     """The terms of the pipeline rank with the longest micro-batch (workbench.plan.stages)."""
     a, full_frac, e, pp = x.a, x.full_frac, sw.act_bytes, x.a["pp"]
     f_l = c.mm + c.attn + c.elem + co.kernel_overhead_s
-    rec_l = full_frac * c.layer_f + x.sel_attn * (c.attn + c.quad_elem)
+    core = c.attn + c.quad_elem  # the op policy keeps a fused core's output, redoes an eager one
+    rec_l = full_frac * c.layer_f + x.sel_attn * core + x.op * (
+        x.op_items[0] * c.mm + c.elem - c.quad_elem + co.kernel_overhead_s
+        + (0.0 if sw.flash_attention else core))
     # m.tp is one pass's 2 collectives; the backward has tp_bwd_allreduces of them without SP
     bwd_tp = np.where(a["sp"] > 0, 1.0, sw.tp_bwd_allreduces / 2.0)
-    tp_l, cp_l = m.tp * (1 + bwd_tp + full_frac), m.cp_fwd * (1 + full_frac) + m.cp_bwd
+    # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
+    tp_l = m.tp * (1 + bwd_tp + full_frac + 0.5 * x.op * (a["sp"] > 0))
+    cp_l = m.cp_fwd * (1 + full_frac + x.op) + m.cp_bwd
     head = c.head + c.loss
     if sw.gathered_logits:  # all-gather of the 16-bit logits over the TP group (forward)
         bw_tp, _ = collective_link(a["tp"], 1, hw, co)
@@ -317,8 +326,11 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     per_layer = tok * (act["rep"] + act["split"] + act["unfused"]
                        + (1 - x.sel_attn) * act["quad"]) + kv_others - tok * unsaved
     full_layer = tok * (act["rep"] + act["split"] + act["unfused"] + act["quad"]) + kv_others
-    stored = full_frac * tok * act["input"] + (1 - full_frac) * per_layer
-    working = np.where(full_frac > 0, full_layer, 0.0)  # one layer re-materialized at a time
+    stored = tok * (full_frac * act["input"] + x.op * x.op_items[1]) \
+        + (1 - full_frac - x.op) * per_layer
+    # one layer re-materialized at a time (under the op policy, what it did not keep)
+    working = np.where(full_frac > 0, full_layer,
+                       x.op * np.maximum(full_layer - tok * x.op_items[1], 0.0))
     factor, factor_mid = stages.inflight_per_layer(
         pp, ga, a["sched"] == Schedule.GPIPE, a["sched"] == Schedule.INTERLEAVED_1F1B, x.vv,
         float(sw.pp_group))

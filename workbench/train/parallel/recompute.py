@@ -3,11 +3,28 @@ checkpointing (recompute) and torch.compile, applied block by block in place."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
-from torch.utils.checkpoint import checkpoint
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from workbench.train.model import Transformer
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+# Kept whole by the op policy: the attention core (its forward is the costliest op to redo)
+# and the reductions (redoing one would send its bytes again; an SP all-gather is redone).
+_ALWAYS_SAVED = (
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+)
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:
@@ -15,17 +32,46 @@ def apply_recompute(model: Transformer, mode: str) -> None:
     recomputes every other block (odd global index, so pipeline stages agree), halving
     activation memory for half the recompute. With fused attention there is no s*s tensor for
     Korthikanti's attention-core recompute to drop, so selective means this (torchtitan's layer
-    policy with frequency 2), and the cost model (plan/terms.py) models exactly this."""
+    policy with frequency 2), and the cost model (plan/terms.py) models exactly this.
+    `selective_op` checkpoints every block but keeps some op outputs (op_policy): the
+    backward redoes the cheap elementwise ops and every second matmul, not the attention."""
     if mode == "none":
         return
     for key, block in model.layers.items():
-        if mode == "full" or int(key) % 2 == 1:
+        if mode == "selective_op":
+            block.forward = _checkpointed(block.forward, op_contexts)
+        elif mode == "full" or int(key) % 2 == 1:
             block.forward = _checkpointed(block.forward)
 
 
-def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+def op_policy(counts: dict[bool, int], ctx: Any, op: Any, *args: Any, **kwargs: Any
+              ) -> CheckpointPolicy:
+    """Save the attention core, the reductions and the 1st, 3rd, ... matmul of the block's
+    forward (for a Llama block q, v, w1, w2: k, o and w3 are redone), recompute the rest.
+    This is the trade torchtitan's `selective_ac_option = "op"` makes: the matmuls left to
+    redo are about a third of the block's GEMM FLOPs, the saved outputs under half of what an
+    unrecomputed block keeps. The count restarts in the recompute pass (ctx.is_recompute), so
+    both passes pick the same matmuls."""
+    if op in _MATMULS:
+        counts[ctx.is_recompute] += 1
+        odd = counts[ctx.is_recompute] % 2 == 1
+        return CheckpointPolicy.MUST_SAVE if odd else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _ALWAYS_SAVED:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def op_contexts() -> Any:
+    """Fresh forward / recompute contexts for one checkpointed block call."""
+    return create_selective_checkpoint_contexts(partial(op_policy, {False: 0, True: 0}))
+
+
+def _checkpointed(fn: Callable[..., Any], context_fn: Callable[[], Any] | None = None
+                  ) -> Callable[..., Any]:
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
 
     return wrapper
 
