@@ -129,11 +129,13 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
 
 
 def _recompute(text: str) -> str:
+    """The policy a row's recompute column names: torchtitan's "op" option (its 8B toml default;
+    rows say "selective (op)" or "(per-op)") is the op policy, any other selective the layer one."""
     t = text.strip().lower()
     if t.startswith("full"):
         return "full"
     if t.startswith("sel"):
-        return "selective"
+        return "selective_op" if re.search(r"\(\s*(per-)?op\b", t) else "selective"
     return "none"
 
 
