@@ -16,7 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbench.cli import compose
-from workbench.plan.memory_terms import activation_bytes_per_token, op_policy_items
+from workbench.plan.memory_terms import (
+    activation_bytes_per_token,
+    op_policy_items,
+    op_policy_share,
+)
 from workbench.plan.shapes import model_shape
 from workbench.plan.software import Software
 from workbench.train.model import build, cross_entropy
@@ -84,9 +88,7 @@ def test_op_policy_redoes_every_second_matmul_and_never_the_attention() -> None:
     assert op[sdpa + ".default"] == 0 and full[sdpa + ".default"] == blocks
     assert all(torch.equal(grads[n], reference[n]) for n in reference)
     ms = model_shape(compose(["model=gpt_tiny"]).model)
-    sw = Software(precision="fp32", flash_attention=True)
-    act = activation_bytes_per_token(ms, sw, np.ones(1), np.zeros(1))
-    share, _ = op_policy_items(ms, sw, act, np.ones(1), np.zeros(1))
+    share = op_policy_share(ms, Software(precision="fp32", flash_attention=True))
     wk, wo, w3 = ms.dense[1], ms.dense[3], ms.dense[5]
     assert share == pytest.approx(sum(m * n for m, n, _ in (wk, wo, w3))
                                   / sum(m * n for m, n, _ in ms.dense))

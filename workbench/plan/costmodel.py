@@ -17,7 +17,7 @@ from workbench.layout import Layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.columns import Columns, layout_columns
 from workbench.plan.hardware import GpuSpec, spec_of_cluster
-from workbench.plan.memory_terms import op_policy_items, recompute_fractions
+from workbench.plan.memory_terms import op_policy_share, recompute_fractions
 from workbench.plan.shapes import ModelShape, model_shape
 from workbench.plan.terms import MEM_TERMS, TIME_TERMS, Software, evaluate
 
@@ -81,9 +81,8 @@ def flops_per_step(ms: ModelShape, global_batch: float, a: Columns,
     model = ms.model_flops_per_token() * tokens
     layer_fwd = 2.0 * ms.mean_layer_matmul_params() + 4.0 * ms.seq_len * ms.q_width
     full_frac, sel_attn, op = recompute_fractions(a["rc"], sw)
-    op_mm = op_policy_items(ms, sw, {"input": 0.0, "quad": 0.0}, a["tp"], a["sp"])[0]
     extra = full_frac * layer_fwd + sel_attn * 4.0 * ms.seq_len * ms.q_width \
-        + op * op_mm * 2.0 * ms.mean_layer_matmul_params()
+        + op * op_policy_share(ms, sw) * 2.0 * ms.mean_layer_matmul_params()
     return model, model + extra * ms.n_layers * tokens
 
 

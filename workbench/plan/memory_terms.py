@@ -148,8 +148,19 @@ def op_policy_items(ms: ModelShape, sw: Software, act: dict[str, np.ndarray], tp
     saving them would (69.6 / 67.8). Kept besides: the block's input and the attention output
     and statistics of a fused attention core (an eager core's batched matmuls and softmax are
     not on the list: they are redone). A factorized block's factors count as matmuls in order."""
-    e, h, f_lr = sw.act_bytes, float(ms.hidden), ms.lowrank_layers / ms.n_layers
-    share, split, whole = 0.0, 0.0, 0.0
+    e, h = sw.act_bytes, float(ms.hidden)
+    share, split, whole = _op_policy_matmuls(ms, sw)
+    reductions = np.where(tp > 1, np.where(sp > 0, 2 * h / tp, 2 * h), 0.0)
+    core = act["quad"] + e * ms.q_width / tp if sw.flash_attention else 0.0
+    return share, act["input"] + core + e * (split / tp + whole + reductions)
+
+
+def _op_policy_matmuls(ms: ModelShape, sw: Software) -> tuple[float, float, float]:
+    """(share of the GEMM FLOPs redone, output width kept of column-parallel matmuls, of
+    row-parallel ones) under the op policy, dense and factorized blocks averaged by count."""
+    if sw.precision == "fp8":
+        return 1.0, 0.0, 0.0
+    f_lr, share, split, whole = ms.lowrank_layers / ms.n_layers, 0.0, 0.0, 0.0
     for linears, weight in ((ms.dense, 1 - f_lr), (ms.lowrank, f_lr)):
         if not linears or not weight:
             continue
@@ -157,11 +168,12 @@ def op_policy_items(ms: ModelShape, sw: Software, act: dict[str, np.ndarray], tp
         share += weight * sum(flops[1::2]) / sum(flops)
         split += weight * sum(n for _, n, col in linears[::2] if col)
         whole += weight * sum(n for _, n, col in linears[::2] if not col)
-    if sw.precision == "fp8":
-        share, split, whole = 1.0, 0.0, 0.0
-    reductions = np.where(tp > 1, np.where(sp > 0, 2 * h / tp, 2 * h), 0.0)
-    core = act["quad"] + e * ms.q_width / tp if sw.flash_attention else 0.0
-    return share, act["input"] + core + e * (split / tp + whole + reductions)
+    return share, split, whole
+
+
+def op_policy_share(ms: ModelShape, sw: Software) -> float:
+    """The share of a block's forward GEMM FLOPs the op policy redoes (op_policy_items)."""
+    return _op_policy_matmuls(ms, sw)[0]
 
 
 def state_bytes_per_param(sw: Software, dps: np.ndarray, dpr: np.ndarray, w_bytes: float
