@@ -68,7 +68,12 @@ def test_random_overrides_run_or_exit_2_with_one_line(ovs, workdir, capsys):
 
 @pytest.mark.parametrize("ovs", [["model.n_heads=3"], ["model.n_kv_heads=3", "model.n_heads=4"],
                                  ["train.micro_batch=3"],
-                                 ["train.seed=-1"]])  # found by the property test above
+                                 # found by the property test above, and by one bad value per
+                                 # schema field (each had ended in a traceback or a NaN loss)
+                                 ["train.seed=-1"], ["train.lr=nan"], ["train.beta2=1.0"],
+                                 ["model.norm_eps=0"], ["model.rope_theta=-1"],
+                                 ["cluster.peak_fp32_flops=0"], ["train.threads=4294967296"],
+                                 ["model.n_layers=99999999999999999999"]])
 def test_known_bad_combinations(ovs, workdir, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tracking=none", *ovs])

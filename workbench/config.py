@@ -7,7 +7,8 @@ onto, so an unknown key or a wrong type fails at composition time instead of dee
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -270,8 +271,39 @@ def _positive(cfg: RunConfig, keys: List[str]) -> None:
     for key in keys:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value <= 0:
+        if not value > 0:
             raise ConfigError(key, value, "must be > 0")
+
+
+def _representable(cfg: RunConfig) -> None:
+    """Every number of every section is one torch and numpy take: an integer within int64, a
+    float finite. Past that (1e20 layers, a NaN learning rate, an infinite norm epsilon) a run
+    would hang building the model, overflow in a C call or train to a NaN loss."""
+    for section in fields(cfg):
+        sub = getattr(cfg, section.name)
+        for f in fields(sub) if is_dataclass(sub) else ():
+            value, key = getattr(sub, f.name), f"{section.name}.{f.name}"
+            if isinstance(value, int) and not -2**63 <= value < 2**63:
+                raise ConfigError(key, value, "must be an integer in [-2**63, 2**63)")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(key, value, "must be a finite number")
+
+
+def _validate_train(t: TrainConfig) -> None:
+    """The optimizer's and loop's numbers, each naming its key and range when out of it."""
+    rules = [("seed", 0 <= t.seed < 2**63, "must be an integer in [0, 2**63)"),
+             ("micro_batch", t.micro_batch >= 0,
+              "must be >= 0 (0 = as large as the global batch allows per dp rank)"),
+             ("warmup_steps", t.warmup_steps >= 0, "must be >= 0"),
+             ("min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "must be in [0, 1]"),
+             ("beta1", 0.0 <= t.beta1 < 1.0, "must be in [0, 1) (AdamW)"),
+             ("beta2", 0.0 <= t.beta2 < 1.0, "must be in [0, 1) (AdamW)"),
+             ("weight_decay", t.weight_decay >= 0, "must be >= 0"),
+             ("grad_clip", t.grad_clip >= 0, "must be >= 0 (0 disables clipping)"),
+             ("threads", 0 <= t.threads < 2**31, "must be in [0, 2**31) (0 = torch default)")]
+    for key, ok, valid in rules:
+        if not ok:
+            raise ConfigError(f"train.{key}", getattr(t, key), valid)
 
 
 def _validate_mixture(d: DataConfig) -> None:
@@ -318,12 +350,16 @@ def validate(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in valid:
             raise ConfigError(key, value, f"must be one of {', '.join(valid)}")
-    m, t = cfg.model, cfg.train
+    m = cfg.model
+    _representable(cfg)
     _positive(cfg, ["model.n_layers", "model.hidden", "model.n_heads", "model.n_kv_heads",
-                    "model.ffn_hidden", "model.vocab", "model.seq_len", "train.steps",
-                    "train.global_batch", "train.lr", "train.eval_every",
-                    "train.eval_batches", "train.ckpt_every", "train.keep_ckpts",
-                    "train.log_every", "data.max_bytes"])
+                    "model.ffn_hidden", "model.vocab", "model.seq_len", "model.norm_eps",
+                    "model.rope_theta", "train.steps", "train.global_batch", "train.lr",
+                    "train.eval_every", "train.eval_batches", "train.ckpt_every",
+                    "train.keep_ckpts", "train.log_every", "data.max_bytes", "cluster.nodes",
+                    "cluster.gpus_per_node", "cluster.peak_bf16_flops", "cluster.peak_fp32_flops",
+                    "cluster.hbm_bytes", "cluster.hbm_bw_bytes_per_s", "cluster.intra_node_gbps",
+                    "cluster.inter_node_gbps"])
     if m.hidden % m.n_heads:
         raise ConfigError("model.n_heads", m.n_heads,
                           f"must divide model.hidden={m.hidden}")
@@ -333,19 +369,7 @@ def validate(cfg: RunConfig) -> None:
     if m.family == "llama" and (m.hidden // m.n_heads) % 2:
         raise ConfigError("model.hidden", m.hidden,
                           "hidden / n_heads must be even for rotary embeddings")
-    if not 0 <= t.seed < 2**63:  # numpy's SeedSequence and torch both need this range
-        raise ConfigError("train.seed", t.seed, "must be an integer in [0, 2**63)")
-    if t.micro_batch < 0:
-        raise ConfigError("train.micro_batch", t.micro_batch,
-                          "must be >= 0 (0 = as large as the global batch allows per dp rank)")
-    if t.warmup_steps < 0:
-        raise ConfigError("train.warmup_steps", t.warmup_steps, "must be >= 0")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-    if t.grad_clip < 0:
-        raise ConfigError("train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
-    if t.threads < 0:
-        raise ConfigError("train.threads", t.threads, "must be >= 0 (0 = torch default)")
+    _validate_train(cfg.train)
     if not 0.0 < cfg.data.val_frac < 0.5:
         raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
     _validate_mixture(cfg.data)
