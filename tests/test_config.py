@@ -102,3 +102,29 @@ def test_meta_and_direct_builds_give_bitwise_equal_weights(option, monkeypatch):
     if cfg.tie_embeddings:
         assert via_meta.output.weight is via_meta.tok_embeddings.weight
         assert direct.output.weight is direct.tok_embeddings.weight
+
+
+def test_every_number_past_what_torch_takes_is_named():
+    """Each scalar number of every section, set past what torch and numpy take (an integer
+    past int64, a NaN or infinite float), is refused naming that key: such a value otherwise
+    hangs building the model, overflows in a C call or trains to a NaN loss."""
+    import copy
+    import dataclasses
+
+    from workbench.config import validate
+
+    base = compose([])
+    checked = 0
+    for section in dataclasses.fields(base):
+        sub = getattr(base, section.name)
+        for f in dataclasses.fields(sub) if dataclasses.is_dataclass(sub) else ():
+            value = getattr(sub, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            for bad in ((2**64,) if isinstance(value, int) else (float("nan"), float("inf"))):
+                cfg = copy.deepcopy(base)
+                setattr(getattr(cfg, section.name), f.name, bad)
+                with pytest.raises(ConfigError, match=f"{section.name}.{f.name}="):
+                    validate(cfg)
+                checked += 1
+    assert checked > 80
