@@ -53,7 +53,10 @@ def test_bf16_keeps_fp32_masters_and_tracks_fp32_at_world_1_and_2(tmp_path):
 def test_compiled_blocks_give_the_eager_losses_at_world_1_and_2(tmp_path):
     eager = reference(tmp_path / "eager", SMALL)
     one = reference(tmp_path / "compiled", SMALL + ["train.compile=true"])
+    # the op recompute policy traced into the compiled block (its context_fn under compile)
+    one_op = reference(tmp_path / "compiled-op", SMALL + ["train.compile=true",
+                                                          "layout.recompute=selective_op"])
     two = _two_ranks(tmp_path, {"fsdp-compiled": ["layout=fsdp", "train.compile=true"]})
-    for name, result in [("world1", one), *two.items()]:
+    for name, result in [("world1", one), ("world1-op", one_op), *two.items()]:
         _assert_trains(result)
         assert max_rel_err(losses(result), losses(eager)) < 1e-4, name
