@@ -138,3 +138,23 @@ def test_op_policy_keeps_what_the_cost_model_itemizes() -> None:
     predicted = (kept - act["input"][0]) * 16 * cfg.seq_len * cfg.n_layers
     measured = _kept_bytes("selective_op", overrides) - _kept_bytes("full", overrides)
     assert measured == pytest.approx(predicted, rel=0.05)
+
+
+def test_op_policy_keeps_whichever_fused_attention_kernel_sdpa_picks() -> None:
+    """On a GPU SDPA may run flash, memory-efficient or cuDNN attention (the CPU runs its own
+    flash path): the policy keeps every one of them, as the cost model assumes, and at least
+    the kernels of this torch's dispatcher that a GPU run reaches."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from workbench.train.parallel.recompute import FUSED_ATTENTION, op_policy
+
+    names = {str(op) for op in FUSED_ATTENTION}
+    assert {"aten._scaled_dot_product_flash_attention.default",
+            "aten._scaled_dot_product_efficient_attention.default",
+            "aten._scaled_dot_product_cudnn_attention.default",
+            "aten._scaled_dot_product_flash_attention_for_cpu.default"} <= names
+    for op in FUSED_ATTENTION:
+        ctx = SimpleNamespace(is_recompute=False)
+        assert op_policy({False: 0, True: 0}, ctx, op) == CheckpointPolicy.MUST_SAVE, op

@@ -16,15 +16,16 @@ from torch.utils.checkpoint import (
 from workbench.train.model import Transformer
 
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+# Every fused kernel SDPA may dispatch to (flash, memory-efficient, cuDNN on recent GPUs, the
+# CPU flash path, ...), read from the dispatcher so that a backend SDPA picks is never missed;
+# the math fallbacks decompose into ops that are redone.
+FUSED_ATTENTION = tuple(getattr(torch.ops.aten, name).default for name in dir(torch.ops.aten)
+                        if name.startswith("_scaled_dot_product_")
+                        and not name.endswith("_backward") and "math" not in name)
 # Kept whole by the op policy: the attention core (its forward is the costliest op to redo)
 # and the reductions (redoing one would send its bytes again; an SP all-gather is redone).
-_ALWAYS_SAVED = (
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.all_reduce.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-)
+_ALWAYS_SAVED = (*FUSED_ATTENTION, torch.ops._c10d_functional.all_reduce.default,
+                 torch.ops._c10d_functional.reduce_scatter_tensor.default)
 
 
 def apply_recompute(model: Transformer, mode: str) -> None:
