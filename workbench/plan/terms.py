@@ -85,8 +85,8 @@ class Setup:
     act: Arrays  # activation bytes per token and layer (activation_bytes_per_token)
     full_frac: np.ndarray  # share of layers fully recomputed (recompute_fractions)
     sel_attn: np.ndarray  # 1 where only the attention core is recomputed
-    op: np.ndarray  # 1 under the op policy; its GEMM share redone, bytes kept per token
-    op_items: tuple[float, np.ndarray]  # (memory_terms.op_policy_items)
+    op: np.ndarray  # 1 where the op policy (selective_op) checkpoints every layer
+    op_items: tuple[float, np.ndarray]  # its GEMM share redone, bytes kept per token and layer
     peak: float  # dense FLOP/s in the compute precision
     sms: float  # SMs GEMM tiles are quantized over (0: the smooth mm_dim_half curve instead)
     hbm: float  # achieved HBM bytes/s
@@ -251,10 +251,11 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     """The terms of the pipeline rank with the longest micro-batch (workbench.plan.stages)."""
     a, full_frac, e, pp = x.a, x.full_frac, sw.act_bytes, x.a["pp"]
     f_l = c.mm + c.attn + c.elem + co.kernel_overhead_s
-    core = c.attn + c.quad_elem  # the op policy keeps a fused core's output, redoes an eager one
-    rec_l = full_frac * c.layer_f + x.sel_attn * core + x.op * (
-        x.op_items[0] * c.mm + c.elem - c.quad_elem + co.kernel_overhead_s
-        + (0.0 if sw.flash_attention else core))
+    core = c.attn + c.quad_elem
+    # the op policy redoes its GEMM share and the elementwise ops, an eager core but not a fused one
+    op_l = x.op_items[0] * c.mm + c.elem + co.kernel_overhead_s \
+        + (-c.quad_elem if sw.flash_attention else c.attn)
+    rec_l = full_frac * c.layer_f + x.sel_attn * core + x.op * op_l
     # m.tp is one pass's 2 collectives; the backward has tp_bwd_allreduces of them without SP
     bwd_tp = np.where(a["sp"] > 0, 1.0, sw.tp_bwd_allreduces / 2.0)
     # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
