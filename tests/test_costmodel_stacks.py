@@ -18,7 +18,7 @@ from workbench.plan.coefficients import coefficients
 from workbench.plan.costmodel import Estimate, estimate
 from workbench.plan.hardware import cluster_for, spec_of_cluster
 from workbench.plan.terms import Software
-from workbench.plan.validate import _software, read_rows, row_case
+from workbench.plan.validate import _software, read_rows, row_case, torchtitan_split
 
 PROJECT_CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration"
 
@@ -207,3 +207,37 @@ def test_an_rms_kernel_leaves_the_other_elementwise_ops_eager() -> None:
 
     assert fwd(Software()) < fwd(Software(eager=True, norm_kernel=True)) \
         < fwd(Software(eager=True))
+
+
+TORCHTITAN_405B = {"source_group": "t", "model": "Llama3.1-405B", "n_layers": "126",
+                   "hidden": "16384", "n_heads": "128", "n_kv_heads": "8",
+                   "ffn_hidden": "53248", "vocab": "128256", "seq_len": "8192",
+                   "gpu_type": "H100 96GB HBM2e (500W, Grand Teton)", "n_gpus": "512",
+                   "gpus_per_node": "8", "tp": "8", "pp": "8", "dp": "8",
+                   "zero_or_fsdp": "FSDP2 (full shard)", "precision": "FP8 linears",
+                   "recompute": "full", "global_batch": "256",
+                   "notes": "3D 1F1B; compile+Float8+AsyncTP; local batch 32"}
+
+
+def test_torchtitan_rows_take_torchtitans_pipeline_defaults_where_they_print_none() -> None:
+    """torchtitan at its 2024-12 benchmark commit splits a rank's batch into pp micro-batches,
+    runs 2 stages a rank when interleaved, and splits 126 layers first/last-light; the global
+    batch of a row that prints only the local one is local x dp. A row that prints a value keeps
+    it, and a pipeline row of another stack still needs its global batch."""
+    one = row_case(TORCHTITAN_405B).layout
+    assert (one.micro_batch, one.grad_accum, one.pp_schedule) == (4, 8, "1f1b")
+    assert one.stage_layers == (15, 16, 16, 16, 16, 16, 16, 15)
+    inter = row_case({**TORCHTITAN_405B, "notes": "3D Interleaved 1F1B; local batch 32"}).layout
+    assert (inter.virtual_stages, inter.pp_schedule) == (2, "interleaved_1f1b")
+    assert inter.stage_layers == (7,) + (8,) * 14 + (7,)
+    cp = row_case({**TORCHTITAN_405B, "global_batch": "", "dp": "4", "cp_or_sp": "CP=2",
+                   "seq_len": "65536", "notes": "4D FSDP+TP+PP+CP, 1F1B; local batch 8"})
+    assert (cp.train.global_batch, cp.layout.micro_batch, cp.layout.grad_accum) == (32, 1, 8)
+    printed = row_case({**TORCHTITAN_405B, "micro_batch": "1", "virtual_stages": "1"}).layout
+    assert (printed.micro_batch, printed.grad_accum) == (1, 32)
+    megatron = {**TORCHTITAN_405B, "zero_or_fsdp": "distributed optimizer", "global_batch": ""}
+    with pytest.raises(ValueError, match="global_batch"):
+        row_case(megatron)
+    for n, stages in ((126, 16), (126, 8), (80, 6), (10, 4), (32, 4)):
+        split = torchtitan_split(n, stages)
+        assert len(split) == stages and sum(split) == n and min(split) >= 1

@@ -184,13 +184,7 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
     notes = (row.get("notes") or "").lower()
     sp = tp > 1 and (cpsp.startswith("SP") or "FSDP2" in shard or "tp-comm-overlap" in notes
                      or "sequence-parallel" in notes)
-    mb = _int(row, "micro_batch", 1)
-    if not (row.get("global_batch") or "").strip() and pp > 1:
-        raise ValueError("missing global_batch (the pipeline schedule depends on it)")
-    gb = _int(row, "global_batch", mb * dp)  # pp == 1: one micro-batch per step
-    if gb % (dp * mb):
-        raise ValueError(f"global_batch {gb} is not a multiple of dp*micro_batch {dp * mb}")
-    v = _int(row, "virtual_stages", 1)
+    mb, gb, v, split = _batching(row, dp, pp, _int(row, "n_layers"), "FSDP2" in shard)
     sched = "interleaved_1f1b" if v > 1 and pp > 1 else "1f1b"
     sharded = "FSDP" in shard or "ZERO-3" in shard or "ZERO3" in shard
     layout = Layout(dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1, tp=tp,
@@ -199,9 +193,8 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
                     pp_schedule=sched, virtual_stages=v if pp > 1 else 1)
     if layout.pp > 1 and layout.grad_accum < layout.pp:
         layout = Layout(**{**layout.__dict__, "pp_schedule": "gpipe"})
-    if (row.get("stage_layers") or "").strip():  # the published run's own uneven split
-        layout = Layout(**{**layout.__dict__,
-                           "stage_layers": parse_split(row["stage_layers"].strip())})
+    if split:  # the published run's own uneven split
+        layout = Layout(**{**layout.__dict__, "stage_layers": split})
     try:
         validate_layout(layout, model, layout.world_size)
     except ConfigError as e:
@@ -212,6 +205,42 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
     train = TrainConfig(global_batch=gb, micro_batch=mb, dtype="bf16")
     return Case(model, cluster, train, layout, _software(row.get("precision") or "BF16",
                                                               row.get("notes") or "", shard))
+
+
+def _batching(row: dict[str, str], dp: int, pp: int, n_layers: int, torchtitan: bool
+              ) -> tuple[int, int, int, tuple[int, ...]]:
+    """(micro_batch, global_batch, virtual_stages, stage_layers) of a row. What a torchtitan
+    row (FSDP2) does not print is torchtitan's default at its 2024-12 benchmark commit
+    (9dec370): the global batch is the printed local batch times the data-parallel degree; a
+    pipeline splits a rank's batch into pp micro-batches (`pipeline_parallel_microbatches`
+    unset); an interleaved schedule runs 2 stages a rank; without split points the layers go
+    by `torchtitan_split`. Any other row with a pipeline must print its global batch."""
+    notes = (row.get("notes") or "").lower()
+    gb_text = (row.get("global_batch") or "").strip()
+    local = re.search(r"local batch (\d+)", notes) if torchtitan else None
+    if not gb_text and local:
+        gb_text = str(int(local.group(1)) * dp)
+    if not gb_text and pp > 1:
+        raise ValueError("missing global_batch (the pipeline schedule depends on it)")
+    default_mb = int(gb_text) // (dp * pp) if torchtitan and pp > 1 and gb_text else 1
+    mb = _int(row, "micro_batch", max(1, default_mb))
+    gb = int(float(gb_text)) if gb_text else mb * dp  # pp == 1: one micro-batch per step
+    if gb % (dp * mb):
+        raise ValueError(f"global_batch {gb} is not a multiple of dp*micro_batch {dp * mb}")
+    v = _int(row, "virtual_stages", 2 if torchtitan and "interleaved" in notes else 1)
+    split_text = (row.get("stage_layers") or "").strip()
+    if split_text:
+        return mb, gb, v, parse_split(split_text)
+    return mb, gb, v, torchtitan_split(n_layers, pp * v) if torchtitan and pp > 1 else ()
+
+
+def torchtitan_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """Layers per stage as torchtitan (2024-12, `generate_split_points`) splits them when no
+    split points are given: the first stage n // stages, each middle stage one more while the
+    remainder lasts, the last stage what is left (126 layers in 16 stages: 7, 8 x 14, 7)."""
+    base, extra = divmod(n_layers, n_stages)
+    middle = [base + 1 if i < extra else base for i in range(n_stages - 2)]
+    return (base, *middle, n_layers - base - sum(middle)) if n_stages > 1 else (n_layers,)
 
 
 def engine_only(e: ConfigError) -> bool:
