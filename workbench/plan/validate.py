@@ -216,15 +216,12 @@ def _batching(row: dict[str, str], dp: int, pp: int, n_layers: int, torchtitan: 
     unset); an interleaved schedule runs 2 stages a rank; without split points the layers go
     by `torchtitan_split`. Any other row with a pipeline must print its global batch."""
     notes = (row.get("notes") or "").lower()
-    gb_text = (row.get("global_batch") or "").strip()
     local = re.search(r"local batch (\d+)", notes) if torchtitan else None
-    if not gb_text and local:
-        gb_text = str(int(local.group(1)) * dp)
-    if not gb_text and pp > 1:
+    gb = _int(row, "global_batch", int(local.group(1)) * dp if local else 0)
+    if not gb and pp > 1:
         raise ValueError("missing global_batch (the pipeline schedule depends on it)")
-    default_mb = int(gb_text) // (dp * pp) if torchtitan and pp > 1 and gb_text else 1
-    mb = _int(row, "micro_batch", max(1, default_mb))
-    gb = int(float(gb_text)) if gb_text else mb * dp  # pp == 1: one micro-batch per step
+    mb = _int(row, "micro_batch", max(1, gb // (dp * pp)) if torchtitan and pp > 1 else 1)
+    gb = gb or mb * dp  # pp == 1: one micro-batch per step
     if gb % (dp * mb):
         raise ValueError(f"global_batch {gb} is not a multiple of dp*micro_batch {dp * mb}")
     v = _int(row, "virtual_stages", 2 if torchtitan and "interleaved" in notes else 1)
