@@ -30,9 +30,11 @@ from workbench.layout import Layout
 from workbench.plan.costmodel import estimate
 from workbench.plan.hardware import GIB, cluster_for
 from workbench.plan.terms import Software
-from workbench.plan.validate import default_csv, predict_row, read_rows
+from workbench.plan.validate import apply_facts, default_csv, predict_row, read_rows
 
 PROJECT_CSV = Path(__file__).resolve().parent / "calibration"
+# Fields the shared rows leave empty and this project found in their sources (with evidence).
+FACTS_CSV = PROJECT_CSV / "shared_row_facts.csv"
 
 METRIC_TO_PRED = {"tflops_per_gpu": ("pred_hw_tflops_per_gpu", 1.0),
                   "MFU_pct": ("pred_mfu", 100.0),
@@ -380,6 +382,9 @@ def main(argv: list[str]) -> int:
             print(f"no shared calibration CSV at {path}; project rows only")
             continue
         got = read_rows(path)[1]
+        if path == default_csv() and FACTS_CSV.is_file():  # what this project found about them
+            got, filled = apply_facts(got, read_rows_loose(FACTS_CSV)[1])
+            print(f"facts: {filled} empty fields of {path.name} filled from {FACTS_CSV.name}")
         rows += [{**r, "interconnect": fabric[r["source_group"]]}
                  if r.get("source_group") in fabric else r for r in got]
         print(f"rows: {len(got)} from {path}")

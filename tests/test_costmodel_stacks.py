@@ -11,14 +11,25 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_module, in_ci
 
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
 from workbench.plan.coefficients import coefficients
-from workbench.plan.costmodel import Estimate, estimate
+from workbench.plan.columns import layout_columns
+from workbench.plan.costmodel import Estimate, estimate, hardware_for
 from workbench.plan.hardware import cluster_for, spec_of_cluster
-from workbench.plan.terms import Software
-from workbench.plan.validate import _software, read_rows, row_case, torchtitan_split
+from workbench.plan.memory_terms import gather_bytes
+from workbench.plan.shapes import model_shape
+from workbench.plan.terms import Software, evaluate
+from workbench.plan.validate import (
+    _software,
+    apply_facts,
+    default_csv,
+    read_rows,
+    row_case,
+    torchtitan_split,
+)
 
 PROJECT_CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration"
 
@@ -241,3 +252,68 @@ def test_torchtitan_rows_take_torchtitans_pipeline_defaults_where_they_print_non
     for n, stages in ((126, 16), (126, 8), (80, 6), (10, 4), (32, 4)):
         split = torchtitan_split(n, stages)
         assert len(split) == stages and sum(split) == n and min(split) >= 1
+
+
+def test_found_facts_fill_only_what_a_shared_row_leaves_empty() -> None:
+    """A fact found about a shared row (its fabric, from the run's own scripts) fills an empty
+    field and never overwrites a printed one; a "notes+" fact adds to the notes once; every
+    shipped fact names a row it fills and its evidence."""
+    key = {"source_group": "s", "model": "M", "gpu_type": "A100 80GB", "precision": "BF16"}
+    fabric = {**key, "column": "interconnect", "value": "4x100Gb/s EFA per node",
+              "evidence": "e"}
+    kernel = {**key, "column": "notes+", "value": "fused-rmsnorm", "evidence": "e"}
+    rows = [{**key, "interconnect": "", "notes": "1D FSDP2"},
+            {**key, "interconnect": "8x200Gb/s HDR per node", "notes": ""},
+            {**key, "model": "N", "interconnect": "", "notes": ""}]
+    out, filled = apply_facts(rows, [fabric, kernel])
+    assert filled == 3 and out[0]["interconnect"] == fabric["value"]
+    assert out[0]["notes"] == "1D FSDP2; fused-rmsnorm" and out[1]["notes"] == "fused-rmsnorm"
+    assert out[1]["interconnect"] == "8x200Gb/s HDR per node" and out[2] == rows[2]
+    assert apply_facts(out, [kernel])[0][0]["notes"] == "1D FSDP2; fused-rmsnorm"
+    assert rows[0]["interconnect"] == ""  # the caller's rows are not changed
+    shared = default_csv()
+    if not shared.is_file():
+        if in_ci():
+            pytest.fail(f"CI has shared/ beside the clone: {shared} is missing")
+        pytest.skip("no shared/calibration beside the repository")
+    accuracy = benchmark_module("costmodel_accuracy")
+    facts = accuracy.read_rows_loose(accuracy.FACTS_CSV)[1]
+    published = read_rows(shared)[1]
+    for f in facts:
+        assert apply_facts(published, [f])[1] >= 1, f"fact matches no shared row: {f}"
+        assert f["evidence"].strip()
+    found = {r["model"] + r["precision"]: row_case(r)
+             for r in apply_facts(published, facts)[0] if r["source_group"] == "torchtitan_old"}
+    # 4 x 100 Gb/s over 8 GPUs, as fabric.py reads it; the kernel and gather as _software does
+    assert found["Llama3-70BBF16"].cluster.inter_node_gbps == pytest.approx(6.25)
+    assert found["Llama3-8BBF16"].software.norm_kernel
+    assert found["Llama3.1-405BFP8 linears"].software.fsdp_fp8_gather
+    assert not found["Llama3.1-405BBF16"].software.fsdp_fp8_gather
+
+
+def test_fsdp_float8_all_gather_sends_the_block_linears_in_one_byte() -> None:
+    """torchao's float8 all-gather under FSDP2: the gathers move one byte per linear weight
+    and the working width for the rest; the fp32 reduce-scatter is unchanged, so the FSDP
+    traffic shrinks by exactly that byte count, and only for FP8 linears."""
+    model = replace(MODEL, vocab=128256, n_layers=8)
+    lay = Layout(dp_replicate=1, dp_shard=16, tp=1, pp=1, cp=1, micro_batch=1, grad_accum=1)
+    cluster = cluster_for("H100-SXM-80GB", 16)
+    base = Software(precision="fp8", compiled=True)
+
+    def fsdp_seconds(sw: Software) -> float:
+        t = evaluate(model_shape(model), hardware_for(cluster), coefficients(cluster), sw,
+                     layout_columns([lay]), 16.0)
+        return float(t["time_dp_comm_exposed_s"][0] + t["time_dp_comm_overlapped_s"][0])
+
+    ms = model_shape(model)
+    whole, block = gather_bytes(ms, replace(base, fsdp_fp8_gather=True), 2.0)
+    linear = ms.mean_layer_matmul_params() / ms.mean_layer_params()
+    assert block == pytest.approx(linear + 2.0 * (1 - linear)) and 1.0 < block < whole < 2.0
+    ratio = fsdp_seconds(replace(base, fsdp_fp8_gather=True)) / fsdp_seconds(base)
+    assert ratio == pytest.approx((2 * whole + 4.0) / (2 * 2.0 + 4.0), rel=0.02)
+    bf16 = replace(base, precision="bf16")
+    assert fsdp_seconds(replace(bf16, fsdp_fp8_gather=True)) == fsdp_seconds(bf16)
+    assert gather_bytes(ms, base, 2.0) == (2.0, 2.0)
+    assert _software("FP8 linears", "FSDP + compile + Float8 (fsdp float8 all-gather)",
+                     "FSDP2").fsdp_fp8_gather
+    assert not _software("FP8 linears", "FSDP + compile + Float8", "FSDP2").fsdp_fp8_gather

@@ -191,3 +191,16 @@ def state_bytes_per_param(sw: Software, dps: np.ndarray, dpr: np.ndarray, w_byte
     opt_full = np.where(sw.dist_optimizer, master / np.maximum(dpr, 1), master)
     return (np.where(dps > 1, 4.0 / dps, w_bytes), np.where(dps > 1, 4.0 / dps, grad_full),
             np.where(dps > 1, 8.0 / dps, opt_full))
+
+
+def gather_bytes(ms: ModelShape, sw: Software, w_bytes: float) -> tuple[float, float]:
+    """Bytes per parameter of an FSDP all-gather (and of the unsharded copy it fills): over
+    the whole model, and over one block. The working weight's width, or under
+    Software.fsdp_fp8_gather one byte for the block linears (norms, embedding and head stay
+    at the working width)."""
+    if not (sw.fsdp_fp8_gather and sw.precision == "fp8"):
+        return w_bytes, w_bytes
+    block, linear = ms.mean_layer_params(), ms.mean_layer_matmul_params()
+    total = ms.n_layers * block + ms.embed_params + ms.head_params
+    share = ms.n_layers * linear / total
+    return share + (1.0 - share) * w_bytes, (linear + (block - linear) * w_bytes) / block

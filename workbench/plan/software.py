@@ -47,6 +47,10 @@ class Software:
     # "te_delayed": Transformer Engine delayed scaling (Megatron-Core / NeMo; see
     # Coefficients.fp8_te_mm_speedup), TP all-gathers in BF16 unless TE's fp8_buf is set.
     fp8_scaling: str = "tensorwise"
+    # With FP8 linears under FSDP2: torchao's float8 all-gather (torchtitan
+    # `enable_fsdp_float8_all_gather`): the linear weights travel and sit unsharded in FP8 (one
+    # byte), cast on the shard before the gather; norms, embedding and output head stay 16-bit.
+    fsdp_fp8_gather: bool = False
     # Which implementation shards parameters over dp_shard: "fsdp" (PyTorch FSDP/FSDP2,
     # Megatron distributed optimizer: bucketed NCCL collectives over all NICs of a node, prefetch
     # one block ahead) or "deepspeed_zero3" (DeepSpeed ZeRO-3 as of 2021: flat per-parameter

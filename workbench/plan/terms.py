@@ -25,6 +25,7 @@ from workbench.plan.hardware import GpuSpec
 from workbench.plan.links import collective_link, group_bw
 from workbench.plan.memory_terms import (
     activation_bytes_per_token,
+    gather_bytes,
     loss_bytes_per_token,
     op_policy_items,
     quad_fwd_bytes,
@@ -295,9 +296,9 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
         nic = hw.inter_node_gbps * co.link_eff_inter * co.zero3_gather_eff * 1e9
         bw_dps = np.where(dps * tp <= hw.gpus_per_node, bw_dps, nic)
         ov_fsdp = co.zero3_overlap
-    fsdp_mb = np.where(dps > 1, (dps - 1) / dps * dp_elems * (2 * st.w_bytes
-                                                               + sw.grad_reduce_bytes)
-                       / bw_dps + 3 * lat_dps * (ls + 1), 0.0)
+    wire = 2 * gather_bytes(ms, sw, st.w_bytes)[0] + sw.grad_reduce_bytes  # bytes per param
+    fsdp_mb = np.where(dps > 1, (dps - 1) / dps * dp_elems * wire / bw_dps
+                       + 3 * lat_dps * (ls + 1), 0.0)
     fsdp_exposed = np.maximum(fsdp_mb * (1 - ov_fsdp), fsdp_mb - (st.fwd + st.bwd + st.rec))
     bw_dpr, lat_dpr = collective_link(dpr, x.dpr_stride, hw, co)
     ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
@@ -340,9 +341,11 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
     # and fp32 gradient accumulators stay allocated for the whole step.
-    fsdp_per_p = np.where((dps > 1) & (pp > 1), w_bytes + 4.0, 0.0)
-    fsdp_flat = np.where((dps > 1) & (pp == 1), (2 * w_bytes + 4.0) * max(
-        st.p_layer, ms.vocab * float(ms.hidden)) / tp, 0.0)
+    g_model, g_block = gather_bytes(ms, sw, w_bytes)
+    fsdp_per_p = np.where((dps > 1) & (pp > 1), g_model + 4.0, 0.0)
+    fsdp_flat = np.where((dps > 1) & (pp == 1), max(
+        (2 * g_block + 4.0) * st.p_layer, (2 * w_bytes + 4.0) * ms.vocab * float(ms.hidden)
+    ) / tp, 0.0)
     # Pipeline send/recv: one boundary activation in and one out (Megatron splits it over TP).
     p2p_buf = np.where(pp > 1, 2.0 * tok * float(ms.hidden) * e / tp, 0.0)
     logits_first = np.where(pp > 1, 0.0, logits)

@@ -87,6 +87,8 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
              # K/V all-gathered once per layer (Llama 3 paper, section 3.3.2) instead of a ring
              "cp_allgather": "cpbyall-gather" in n,
              "flash_v1": "flash_attentionv1" in n,
+             # torchtitan's Triton RMSNorm (`norm_type = "fused_rmsnorm"`) in an eager stack
+             "norm_kernel": "fused-rmsnorm" in n,
              "batch_first_sp": torch_fsdp,
              # Megatron-Core / NeMo put CP ranks in the data-parallel group, not a shard group
              "cp_shards_params": torch_fsdp or zero3,
@@ -97,7 +99,7 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
              "loss_hbm_bytes_per_logit": MEGATRON_LOSS_BYTES
              if "overlap-grad-reduce" in n or ("FP16" in p and not zero3) else 0.0}
     if "FP8" in p:
-        return Software(precision="fp8", **facts,
+        return Software(precision="fp8", **facts, fsdp_fp8_gather="float8all-gather" in n,
                         fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
                         if "TE" in p.replace("(", " ").split() else "tensorwise")
     if "dp-sync-in-step" in n and "BF16" in p:  # grads all-reduced in fp32 in the optimizer step
@@ -291,6 +293,31 @@ def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
         raise InputError(f"--csv {path}: not in the published_layouts schema; missing columns "
                          f"{', '.join(missing)}")
     return header, rows
+
+
+def apply_facts(rows: list[dict[str, str]], facts: list[dict[str, str]]
+                ) -> tuple[list[dict[str, str]], int]:
+    """Rows with the fields a facts table (source_group, model, gpu_type, precision: the row
+    key; column, value, evidence) fills in, and how many it filled. A fact fills only a field
+    the row leaves empty: what a source printed is never overwritten by what was found about
+    it elsewhere. A column named with a trailing "+" ("notes+") adds the value to that field
+    after what it says."""
+    filled, out = 0, []
+    key = ("source_group", "model", "gpu_type", "precision")
+    for row in rows:
+        row = dict(row)
+        for f in (f for f in facts if all(row.get(k) == f[k] for k in key)):
+            col, add = f["column"].rstrip("+"), f["column"].endswith("+")
+            have = (row.get(col) or "").strip()
+            if add and f["value"] not in have:
+                row[col] = f"{have}; {f['value']}" if have else f["value"]
+            elif add or have:
+                continue
+            else:
+                row[col] = f["value"]
+            filled += 1
+        out.append(row)
+    return out, filled
 
 
 def write_rows(path: Path, header: Sequence[str], rows: list[dict[str, str]]) -> None:
