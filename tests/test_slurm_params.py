@@ -33,3 +33,34 @@ def test_bad_launcher_values_are_config_errors():
     cfg = compose(["launcher=slurm", "launcher.tasks_per_node=0"]).launcher
     with pytest.raises(ConfigError, match="launcher.tasks_per_node"):
         SlurmLauncher(cfg)
+
+
+def test_rank_zero_publishes_a_free_port_that_every_rank_reads(tmp_path, monkeypatch):
+    """A Slurm job's rendezvous port is one the kernel gave rank 0 as free, read by the other
+    ranks from the job folder, and named per attempt: submitit's hash of the job id lands in
+    the ephemeral range, where a client connection can hold it and leave the job hanging."""
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from submitit.core.utils import JobPaths
+
+    from workbench.launch.slurm import rendezvous_file, rendezvous_port
+
+    env = SimpleNamespace(job_id="159_1", paths=JobPaths(tmp_path / "%j", "159_1"))
+    (tmp_path / "159_1").mkdir()
+    monkeypatch.setenv("SLURM_JOB_ID", "159")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    path = rendezvous_file(env)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert rendezvous_file(env) != path and path.parent == tmp_path / "159_1"
+    read: list[int] = []
+    reader = threading.Thread(target=lambda: read.append(rendezvous_port(1, path, wait_s=30)))
+    reader.start()
+    port = rendezvous_port(0, path)
+    reader.join(timeout=30)
+    assert read == [port] and not path.with_name(path.name + ".tmp").exists()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", port))  # still free for rank 0's store to listen on
+    with pytest.raises(RuntimeError, match="rank 2: rank 0 published no rendezvous port"):
+        rendezvous_port(2, tmp_path / "never.port", wait_s=0.3)

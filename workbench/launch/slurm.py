@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from workbench.launch.world import world_size
 # tick, so a short job can be signalled several times; a site job rarely needs more than a few.
 MAX_TIMEOUT_REQUEUES = 10
 SIGNAL_DELAY_S = 90  # `--signal=USR2@90`: the warning before the time limit
+RENDEZVOUS_WAIT_S = 600.0  # how long ranks wait for rank 0's port (the process-group timeout)
 
 
 @dataclass
@@ -64,7 +66,10 @@ class TrainTask(submitit.helpers.Checkpointable):
         env = submitit.JobEnvironment()
         het = bool(os.environ.get("SLURM_HET_SIZE"))  # one component per pool (launch/hetjob)
         if env.num_tasks > 1:
-            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            dist_env = submitit.helpers.TorchDistributedEnvironment()
+            if "MASTER_PORT" not in os.environ:  # a site's own choice wins
+                dist_env.master_port = rendezvous_port(env.global_rank, rendezvous_file(env))
+            dist_env.export(set_cuda_visible_devices=False)
             if het:
                 from workbench.launch.hetjob import master_addr
 
@@ -106,6 +111,38 @@ class TrainTask(submitit.helpers.Checkpointable):
         while time.monotonic() < deadline:
             time.sleep(1)
         raise SystemExit(1)
+
+
+def rendezvous_file(env: submitit.JobEnvironment) -> Path:
+    """Where rank 0 of this attempt publishes its rendezvous port: the job's own folder (shared
+    by its tasks, as submitit requires), named by job and restart count so that a requeued
+    attempt never reads the port of the one before."""
+    e = os.environ
+    return Path(env.paths.folder) / (f"rendezvous_{e.get('SLURM_JOB_ID', env.job_id)}_"
+                                     f"{e.get('SLURM_RESTART_COUNT', '0')}.port")
+
+
+def rendezvous_port(rank: int, path: Path, wait_s: float = RENDEZVOUS_WAIT_S) -> int:
+    """The MASTER_PORT of this attempt. submitit derives it from the job id, anywhere in
+    20000-60000: inside Linux's ephemeral range, so any outgoing connection on the node (an
+    MLflow or database client) can hold it, and then rank 0 cannot listen and the other ranks
+    wait out the whole process-group timeout. Rank 0 takes a port the kernel says is free and
+    writes it to `path`; the others read it from there."""
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(path)  # atomic: a reader sees no file or the whole port
+        return port
+    deadline = time.monotonic() + wait_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: rank 0 published no rendezvous port in {path} "
+                               f"within {wait_s:.0f} s")
+        time.sleep(0.2)
+    return int(path.read_text())
 
 
 def slurm_tags(env: submitit.JobEnvironment | None = None) -> dict[str, str]:
