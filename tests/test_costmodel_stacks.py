@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import benchmark_module, in_ci
+from conftest import benchmark_module, shared_calibration_csv
 
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
@@ -25,7 +25,6 @@ from workbench.plan.terms import Software, evaluate
 from workbench.plan.validate import (
     _software,
     apply_facts,
-    default_csv,
     read_rows,
     row_case,
     torchtitan_split,
@@ -271,11 +270,7 @@ def test_found_facts_fill_only_what_a_shared_row_leaves_empty() -> None:
     assert out[1]["interconnect"] == "8x200Gb/s HDR per node" and out[2] == rows[2]
     assert apply_facts(out, [kernel])[0][0]["notes"] == "1D FSDP2; fused-rmsnorm"
     assert rows[0]["interconnect"] == ""  # the caller's rows are not changed
-    shared = default_csv()
-    if not shared.is_file():
-        if in_ci():
-            pytest.fail(f"CI has shared/ beside the clone: {shared} is missing")
-        pytest.skip("no shared/calibration beside the repository")
+    shared = shared_calibration_csv()
     accuracy = benchmark_module("costmodel_accuracy")
     facts = accuracy.read_rows_loose(accuracy.FACTS_CSV)[1]
     published = read_rows(shared)[1]

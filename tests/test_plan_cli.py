@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import csv
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import shared_calibration_csv
 
 from workbench.cli import guarded
 from workbench.config import CONF_DIR
@@ -58,11 +58,7 @@ def test_validate_never_crashes_on_a_row(tmp_path) -> None:
 
 
 def test_validate_published_file_when_present(tmp_path) -> None:
-    src = validate.default_csv()
-    if not src.is_file():
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI has shared/ beside the clone: {src} is missing")
-        pytest.skip("no shared/calibration beside the repository")
+    shared_calibration_csv()
     out = tmp_path / "pub.csv"
     assert validate.main(["--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))

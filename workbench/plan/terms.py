@@ -245,6 +245,7 @@ class Stage:
     p_mp: np.ndarray  # parameters of one model-parallel shard (the fullest rank's)
     p_ranks: tuple[np.ndarray, np.ndarray, np.ndarray]  # the same on the first, middle, last
     w_bytes: float  # bytes of a working weight
+    gather: tuple[float, float]  # bytes per parameter an FSDP gather moves: model, one block
 
 
 def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup, c: Compute,
@@ -278,9 +279,11 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
     p_layer = ms.mean_layer_params()
     p_ranks, p_mp = stages.rank_params(x.ranks, pp, p_layer, ms.embed_params, ms.head_params,
                                        a["tp"])
+    w_bytes = 4.0 if sw.precision == "fp32" else 2.0
     return Stage(fwd=t_fwd, bwd=t_bwd, rec=t_rec, tp=t_tp, cp=t_cp, p2p=t_p2p,
                  per_mb=t_fwd + t_bwd + t_rec + t_tp + t_cp + t_p2p, p_layer=p_layer,
-                 p_mp=p_mp, p_ranks=p_ranks, w_bytes=4.0 if sw.precision == "fp32" else 2.0)
+                 p_mp=p_mp, p_ranks=p_ranks, w_bytes=w_bytes,
+                 gather=gather_bytes(ms, sw, w_bytes))
 
 
 def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
@@ -296,7 +299,7 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
         nic = hw.inter_node_gbps * co.link_eff_inter * co.zero3_gather_eff * 1e9
         bw_dps = np.where(dps * tp <= hw.gpus_per_node, bw_dps, nic)
         ov_fsdp = co.zero3_overlap
-    wire = 2 * gather_bytes(ms, sw, st.w_bytes)[0] + sw.grad_reduce_bytes  # bytes per param
+    wire = 2 * st.gather[0] + sw.grad_reduce_bytes  # bytes per parameter
     fsdp_mb = np.where(dps > 1, (dps - 1) / dps * dp_elems * wire / bw_dps
                        + 3 * lat_dps * (ls + 1), 0.0)
     fsdp_exposed = np.maximum(fsdp_mb * (1 - ov_fsdp), fsdp_mb - (st.fwd + st.bwd + st.rec))
@@ -341,7 +344,7 @@ def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) 
     # forward nor syncs gradients until the last micro-batch (torch.distributed.pipelining sets
     # reshard_after_backward / requires_gradient_sync False), so the stage's unsharded weights
     # and fp32 gradient accumulators stay allocated for the whole step.
-    g_model, g_block = gather_bytes(ms, sw, w_bytes)
+    g_model, g_block = st.gather
     fsdp_per_p = np.where((dps > 1) & (pp > 1), g_model + 4.0, 0.0)
     fsdp_flat = np.where((dps > 1) & (pp == 1), max(
         (2 * g_block + 4.0) * st.p_layer, (2 * w_bytes + 4.0) * ms.vocab * float(ms.hidden)
