@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -278,6 +279,24 @@ def test_pipeline_with_fsdp_keeps_the_stage_unsharded() -> None:
     stage_block_params = m.n_layers // 2 * model_shape(m).mean_layer_params()
     extra = buffers(dp_shard=4) - buffers(dp_replicate=4)
     assert extra >= 6 * stage_block_params
+
+
+def test_fsdp_traffic_is_per_micro_batch_alone_and_per_step_in_a_pipeline() -> None:
+    """Its time follows its memory: alone, FSDP gathers and reduce-scatters every micro-batch
+    (time grows with grad_accum); in a pipeline the stage stays gathered and reduces once
+    (time independent of it). The engine's measured bytes say the same (test_parallel.py,
+    test_parallel_4ranks.py)."""
+    m, c = _big(), cluster_for("H100-SXM-80GB", 8)
+
+    def dp_s(pp: int, ga: int) -> float:
+        lay = Layout(dp_shard=8 // pp, pp=pp, micro_batch=1, grad_accum=ga)
+        train = TrainConfig(global_batch=lay.global_batch, micro_batch=1, dtype="bf16")
+        e = estimate(m, c, train, lay)
+        return e.time_s["time_dp_comm_exposed_s"] + e.dp_comm_overlapped_s
+
+    assert dp_s(1, 8) == pytest.approx(2 * dp_s(1, 4), rel=1e-9)
+    assert dp_s(2, 8) == pytest.approx(dp_s(2, 4), rel=1e-9)
+    assert dp_s(2, 8) < dp_s(1, 8) / 4
 
 
 def test_batch_first_sequence_parallel_pays_a_relayout_copy() -> None:

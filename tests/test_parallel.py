@@ -1,6 +1,7 @@
 """The hybrid-parallel engine on 2 gloo ranks: every layout that divides a world of 2, with
 recompute none, full, selective and selective_op, trains with per-step losses equal to the
-single-process run (1e-5 relative); DDP's measured all-reduce bytes equal the gradient bytes;
+single-process run (1e-5 relative); DDP's measured all-reduce bytes equal the gradient bytes,
+FSDP's reduce-scatter bytes grad_accum times them;
 distributed checkpoints resume bitwise in the same layout and load equal weights into another
 layout; the op policy re-sends only what the cost model charges.
 
@@ -162,6 +163,22 @@ def test_ddp_allreduce_bytes_equal_gradient_bytes(two_ranks):
         step = two_ranks["results"][f"ddp-rc_{rc}"]["history"][-1]
         assert abs(step["comm/allreduce_bytes"] - grad_bytes) <= 0.05 * grad_bytes, \
             (step["comm/allreduce_bytes"], grad_bytes)
+
+
+def test_fsdp_reduce_scatters_every_micro_batch(two_ranks):
+    """Without a pipeline, FSDP reduce-scatters each micro-batch's fp32 gradients (counted as
+    the unreduced input: every parameter, 4 bytes) rather than keeping unsharded gradients
+    until the last one: grad_accum x the gradient bytes a step, what the cost model charges
+    (workbench.plan.terms.data_parallel) and what its memory itemization assumes."""
+    from workbench.train.model import n_params
+
+    cfg = make_cfg(LAYOUTS_2["fsdp"])
+    ga = cfg.train.global_batch // (2 * cfg.train.micro_batch)
+    assert ga > 1
+    for rc in RECOMPUTE:
+        step = two_ranks["results"][f"fsdp-rc_{rc}"]["history"][-1]
+        assert step["comm/reduce_scatter_bytes"] == pytest.approx(
+            ga * 4 * n_params(cfg.model), rel=0.01)
 
 
 def test_context_parallel_gathers_exactly_the_keys_and_values(two_ranks):

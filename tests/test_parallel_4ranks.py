@@ -14,6 +14,7 @@ from test_parallel import (
     SINGLE_DIMENSION,
     assert_matches_single_process,
     make_case,
+    make_cfg,
     reference,
     run_matrix,
 )
@@ -59,3 +60,23 @@ def four_ranks(tmp_path_factory):
 def test_four_rank_losses_match_single_process(four_ranks, name, recompute):
     assert_matches_single_process(four_ranks["results"][f"{name}-rc_{recompute}"],
                                   four_ranks["ref"])
+
+
+@pytest.mark.slow
+def test_fsdp_in_a_pipeline_gathers_and_reduces_once_a_step(four_ranks):
+    """Inside the pipeline schedule FSDP keeps a stage's weights gathered from its first
+    forward and reduce-scatters its accumulated gradients once, after its last backward
+    (torch.distributed.pipelining): every parameter gathered and reduced once a step whatever
+    the micro-batch count, as the cost model charges (workbench.plan.terms.fsdp_once). Counted
+    per rank and averaged over the 4 ranks, two of which hold each stage: half the model's
+    fp32 bytes for each kind."""
+    from workbench.train.model import n_params
+
+    cfg = make_cfg(LAYOUTS_4["pp_interleaved_dp"] + STEPS)
+    assert cfg.train.global_batch // (2 * cfg.train.micro_batch) > 1  # several micro-batches
+    res = four_ranks["results"]["pp_interleaved_dp-rc_none"]
+    assert "error" not in res, res.get("traceback")
+    step = res["history"][-1]
+    half_model = 4 * n_params(cfg.model) / 2
+    assert step["comm/allgather_bytes"] == pytest.approx(half_model, rel=0.01)
+    assert step["comm/reduce_scatter_bytes"] == pytest.approx(half_model, rel=0.01)

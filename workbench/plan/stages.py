@@ -279,3 +279,20 @@ def balance_stages(layer_s: Sequence[float], n_stages: int, *, first_extra_s: fl
         split.append(j - cut[k][j])
         j = cut[k][j]
     return tuple(reversed(split)), best[n_stages][n]
+
+
+def fsdp_once(ag_s: np.ndarray, rs_s: np.ndarray, fwd_s: np.ndarray, bwd_s: np.ndarray,
+              vv: np.ndarray, ov: float) -> tuple[np.ndarray, np.ndarray]:
+    """(total, exposed) seconds of FSDP inside a pipeline schedule, given one gather and one
+    reduce-scatter of the rank's stages (`ag_s`, `rs_s`) and the seconds of one micro-batch's
+    forward and backward on the rank (`fwd_s`, `bwd_s`; `vv` virtual stages). A stage's
+    weights are gathered at its first forward and stay gathered (reshard_after_forward False:
+    this engine, torchtitan) and its gradients accumulate unsharded until one reduce-scatter
+    after its last backward (torch.distributed.pipelining `backward_maybe_with_nosync` turns
+    the sync off, `perform_reduce_grad` runs it): once a step, whatever the micro-batch count.
+    The gather hides behind the first micro-batch's forward; the reduce-scatter only behind
+    what the rank still computes for its other virtual stages (nothing at one stage a rank)."""
+    later_bwd = bwd_s * (vv - 1) / vv
+    exposed = np.maximum(ag_s * (1 - ov), ag_s - fwd_s) \
+        + np.maximum(rs_s * (1 - ov), rs_s - later_bwd)
+    return ag_s + rs_s, exposed

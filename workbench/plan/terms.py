@@ -289,7 +289,8 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
 def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
                   st: Stage) -> tuple[np.ndarray, np.ndarray]:
     """(total, exposed) seconds of data-parallel traffic in one step: DDP all-reduce once a
-    step, FSDP gathers + reduce-scatter per micro-batch."""
+    step; FSDP gathers + reduce-scatter per micro-batch, except inside a pipeline, where they
+    happen once a step (`stages.fsdp_once`)."""
     tp, dpr, dps, ga, ls = x.a["tp"], x.dpr, x.dps, x.a["ga"], x.ls
     dp_elems = st.p_mp * ms.dp_bytes_ratio
     ov = co.dp_overlap if sw.overlap_dp else 0.0
@@ -299,10 +300,14 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
         nic = hw.inter_node_gbps * co.link_eff_inter * co.zero3_gather_eff * 1e9
         bw_dps = np.where(dps * tp <= hw.gpus_per_node, bw_dps, nic)
         ov_fsdp = co.zero3_overlap
-    wire = 2 * st.gather[0] + sw.grad_reduce_bytes  # bytes per parameter
-    fsdp_mb = np.where(dps > 1, (dps - 1) / dps * dp_elems * wire / bw_dps
-                       + 3 * lat_dps * (ls + 1), 0.0)
+    s_per_b, lat = dp_elems * (dps - 1) / dps / bw_dps, lat_dps * (ls + 1)
+    ag_s, rs_s = s_per_b * st.gather[0] + lat, s_per_b * sw.grad_reduce_bytes + lat
+    fsdp_mb = np.where(dps > 1, 2 * ag_s + rs_s, 0.0)  # gathered for forward and backward
     fsdp_exposed = np.maximum(fsdp_mb * (1 - ov_fsdp), fsdp_mb - (st.fwd + st.bwd + st.rec))
+    once, once_exposed = stages.fsdp_once(ag_s, rs_s, st.fwd, st.bwd, x.vv, ov_fsdp)
+    in_pipe = (x.a["pp"] > 1) & (dps > 1)
+    fsdp_total = np.where(in_pipe, once, ga * fsdp_mb)
+    fsdp_exposed = np.where(in_pipe, once_exposed, ga * fsdp_exposed)
     bw_dpr, lat_dpr = collective_link(dpr, x.dpr_stride, hw, co)
     ddp_elems = np.where(dpr > 1, (dpr - 1) / dpr * dp_elems / dps / bw_dpr, 0.0)
     ddp_lat = np.where(dpr > 1, lat_dpr, 0.0)
@@ -315,7 +320,7 @@ def data_parallel(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x
     else:
         ddp = 2 * ddp_elems * sw.grad_reduce_bytes + ddp_lat
         ddp_exposed = np.maximum(ddp * (1 - ov), ddp - st.bwd)
-    return ga * fsdp_mb + ddp, ga * fsdp_exposed + ddp_exposed
+    return fsdp_total + ddp, fsdp_exposed + ddp_exposed
 
 
 def memory(ms: ModelShape, co: Coefficients, sw: Software, x: Setup, st: Stage) -> Arrays:

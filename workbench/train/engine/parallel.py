@@ -114,7 +114,10 @@ class ParallelEngine:
         return batch[0].index_select(1, self.seq_index), batch[1].index_select(1, self.seq_index)
 
     def _accumulate(self, micro_batches: List[Batch]) -> torch.Tensor:
-        """Gradient accumulation; DDP/FSDP reduce gradients on the last micro-batch only."""
+        """Gradient accumulation: DDP all-reduces on the last micro-batch only; FSDP
+        reduce-scatters every micro-batch (so no unsharded gradient outlives its block, the
+        memory FSDP is chosen for) and all-reduces over dp_replicate (HSDP) on the last only,
+        as the cost model charges (workbench.plan.terms.data_parallel)."""
         model, n = self.parts[0], len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
@@ -128,8 +131,8 @@ class ParallelEngine:
     def _grad_sync(model: nn.Module, sync: bool):
         if isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext() if sync else model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(sync)
+        if hasattr(model, "set_requires_all_reduce"):  # FSDP2: reduce-scatter, HSDP all-reduce
+            model.set_requires_all_reduce(sync)
         return contextlib.nullcontext()
 
     def _pipeline_step(self, micro_batches: List[Batch]) -> torch.Tensor:
