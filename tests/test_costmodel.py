@@ -13,7 +13,7 @@ from workbench.layout import Layout
 from workbench.plan.costmodel import estimate
 from workbench.plan.hardware import cluster_for, match_gpu
 from workbench.plan.shapes import lowrank_flops_ratio, model_shape
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS
+from workbench.plan.terms import MEM_TERMS, TIME_TERMS, Software
 
 MODEL = ModelConfig(name="m", family="llama", n_layers=16, hidden=2048, n_heads=16,
                     n_kv_heads=8, ffn_hidden=5632, vocab=32000, seq_len=2048)
@@ -297,6 +297,36 @@ def test_fsdp_traffic_is_per_micro_batch_alone_and_per_step_in_a_pipeline() -> N
     assert dp_s(1, 8) == pytest.approx(2 * dp_s(1, 4), rel=1e-9)
     assert dp_s(2, 8) == pytest.approx(dp_s(2, 4), rel=1e-9)
     assert dp_s(2, 8) < dp_s(1, 8) / 4
+
+
+def test_this_engines_pipeline_sends_whole_activations_without_sp() -> None:
+    """Without SP every TP rank of this engine's stage sends the whole replicated output
+    (test_parallel_4ranks.py measures it); with SP its 1/tp sequence shard."""
+    m, c = _big(), cluster_for("H100-SXM-80GB", 8)
+
+    def p2p_s(sp: bool) -> float:
+        lay = Layout(tp=4, pp=2, sequence_parallel=sp, micro_batch=16, grad_accum=8)
+        train = TrainConfig(global_batch=128, micro_batch=16, dtype="bf16")
+        return estimate(m, c, train, lay).time_s["time_pp_p2p_s"]
+
+    assert 3.8 < p2p_s(False) / p2p_s(True) <= 4.0  # 4x the bytes, the same latency
+
+
+def test_this_engines_tp_backward_reduces_each_projection() -> None:
+    """Without SP this engine all-reduces the input gradient of q, k, v, gate and up one by one
+    (5 a layer, 2 forward), where Megatron's fused QKV and gate-up linears need 2 (and 2)."""
+    from workbench.plan.costmodel import software_for
+
+    m, c = _big(), cluster_for("H100-SXM-80GB", 8)
+    lay = Layout(tp=8, micro_batch=1, grad_accum=8)
+    train = TrainConfig(global_batch=8, micro_batch=1, dtype="bf16")
+    engine = software_for(train, c)
+    megatron = Software(**{**engine.__dict__, "per_linear_tp_grads": False})
+
+    def tp_s(sw: Software) -> float:
+        return estimate(m, c, train, lay, software=sw).time_s["time_tp_comm_s"]
+
+    assert tp_s(engine) == pytest.approx(tp_s(megatron) * (2 + 5) / (2 + 2), rel=1e-9)
 
 
 def test_batch_first_sequence_parallel_pays_a_relayout_copy() -> None:

@@ -165,6 +165,21 @@ def test_ddp_allreduce_bytes_equal_gradient_bytes(two_ranks):
             (step["comm/allreduce_bytes"], grad_bytes)
 
 
+def test_tp_without_sp_all_reduces_each_projections_input_gradient(two_ranks):
+    """Tensor parallel without SP: per layer and micro-batch, 2 all-reduces forward (attention
+    and MLP outputs) and one backward per column-parallel projection (q, k, v, and the SwiGLU
+    gate and up: 5), each micro_batch x seq_len x hidden x 4 bytes; plus the embedding's output
+    and the head's input gradient once each, and the 4-byte loss. The cost model's stack for
+    this engine charges the same 2 + 5 a layer (`Software.per_linear_tp_grads`)."""
+    cfg = make_cfg(LAYOUTS_2["tp"])
+    m, t = cfg.model, cfg.train
+    unit = t.micro_batch * m.seq_len * m.hidden * 4
+    micro_batches = t.global_batch // t.micro_batch  # dp = 1 under tp 2
+    for rc in ("none", "selective_op"):  # the op policy re-sends no reduction
+        step = two_ranks["results"][f"tp-rc_{rc}"]["history"][-1]
+        assert step["comm/allreduce_bytes"] == micro_batches * unit * (m.n_layers * (2 + 5) + 2) + 4
+
+
 def test_fsdp_reduce_scatters_every_micro_batch(two_ranks):
     """Without a pipeline, FSDP reduce-scatters each micro-batch's fp32 gradients (counted as
     the unreduced input: every parameter, 4 bytes) rather than keeping unsharded gradients

@@ -80,3 +80,19 @@ def test_fsdp_in_a_pipeline_gathers_and_reduces_once_a_step(four_ranks):
     half_model = 4 * n_params(cfg.model) / 2
     assert step["comm/allgather_bytes"] == pytest.approx(half_model, rel=0.01)
     assert step["comm/reduce_scatter_bytes"] == pytest.approx(half_model, rel=0.01)
+
+
+@pytest.mark.slow
+def test_pipeline_sends_the_whole_activation_from_each_tp_rank_without_sp(four_ranks):
+    """tp 2 x pp 2 without sequence parallelism: the stage output is replicated over the TP
+    ranks and each sends all of it (torch.distributed.pipelining sends what the TP plan
+    leaves), one activation forward or one gradient backward a micro-batch on every rank:
+    micro_batch x seq_len x hidden x 4 bytes, grad_accum times a step. The cost model's
+    stack for this engine says the same (`p2p_tp_split` False; Megatron sends 1/tp)."""
+    cfg = make_cfg(LAYOUTS_4["pp_tp"] + STEPS)
+    assert cfg.layout.tp == 2 and not cfg.layout.sequence_parallel
+    m, t = cfg.model, cfg.train
+    res = four_ranks["results"]["pp_tp-rc_none"]
+    assert "error" not in res, res.get("traceback")
+    ga = t.global_batch // t.micro_batch  # dp 1
+    assert res["history"][-1]["comm/p2p_bytes"] == ga * t.micro_batch * m.seq_len * m.hidden * 4

@@ -140,11 +140,11 @@ def test_validate_and_the_ranking_agree_on_uneven_splits(world: int) -> None:
 
 
 def test_layout_auto_picks_an_uneven_split_when_the_head_is_heavy() -> None:
-    """8 layers of Llama 3 8B under a 256k vocabulary on 512 H100 with a global batch of 32:
+    """8 layers of Llama 3 8B under a 512k vocabulary on 512 H100 with a global batch of 64:
     model parallelism is needed, a pipeline wins, and its last stage (head and loss) gets fewer
-    layers; the model predicts it faster than the even split of the same layout."""
-    c = compose(["model=llama3_8b", "model.n_layers=8", "model.vocab=256000",
-                 "cluster=h100_8x_ib", "train.dtype=bf16", "train.global_batch=32"])
+    layers; the model predicts it faster than the even split of the same layout (by 5.6%)."""
+    c = compose(["model=llama3_8b", "model.n_layers=8", "model.vocab=512000",
+                 "cluster=h100_8x_ib", "train.dtype=bf16", "train.global_batch=64"])
     lay = best_layout(c.model, c.cluster, c.train, 512)
     assert lay.pp > 1 and lay.stage_layers, lay.key()
     assert lay.stage_layers[-1] < lay.stage_layers[0], lay.key()

@@ -64,10 +64,12 @@ class Estimate:
 def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
     """The stack this repository trains with: fused attention, no dropout, overlapped DP,
     all-gather context parallelism, in the dtype a run on this cluster computes in (`auto`: bf16
-    on cuda, fp32 on cpu)."""
+    on cuda, fp32 on cpu). Its TP plan has a column-parallel linear per projection, each
+    all-reducing its input gradient without SP, and its pipeline sends a stage's output as the
+    plan leaves it: the sequence shard under SP, else the whole tensor from every TP rank."""
     return Software(precision=compute_dtype(train, cluster),
                     compiled=bool(getattr(train, "compile", False)), cp_allgather=True,
-                    batch_first_sp=True)
+                    batch_first_sp=True, p2p_tp_split=False, per_linear_tp_grads=True)
 
 
 def hardware_for(cluster: ClusterConfig) -> GpuSpec:

@@ -92,6 +92,12 @@ class Software:
     # stack whose SwiGLU gate and up projections are separate column-parallel linears (Aleph
     # Alpha scaling: nn/mlp.py ParallelSwiGLUMLP `dense_in` + `siglu_weight`) has 3.
     tp_bwd_allreduces: int = 2
+    # This engine's TP plan (torch ColwiseParallel per module, torchtitan-style): q, k, v and
+    # each MLP input projection are separate column-parallel linears, and each turns its
+    # replicated input into a DTensor of its own, so each all-reduces its input gradient:
+    # 3 + 2 all-reduces a SwiGLU layer's backward, 3 + 1 a GELU one (measured on gloo:
+    # tests/test_parallel.py). When set, tp_bwd_allreduces is not read.
+    per_linear_tp_grads: bool = False
     # The LM head's vocab-parallel output is all-gathered to the full vocabulary on every TP
     # rank before an eager fp32 cross-entropy (Aleph Alpha scaling: transformer/model/layers/
     # lm_head.py ColumnParallelLinear with parallel_output False, losses/cross_entropy.py
@@ -121,9 +127,11 @@ class Software:
     # Pipeline boundary traffic. Megatron scatters each boundary activation over the TP group
     # (every TP rank sends 1/tp of it, all-gathered after the receive) and posts the send and
     # the receive of a pass together (batched isend/irecv): 2 transfers of tok*h/tp on the
-    # critical path per micro-batch. Aleph Alpha scaling (nn/parallel_module/communicator.py
-    # `PipeCommunicator`) has every TP rank send the whole tensor with blocking
-    # torch.distributed.send / recv, one call after the other: 4 transfers of tok*h a
+    # critical path per micro-batch. torch.distributed.pipelining (this engine, torchtitan)
+    # sends the stage output as the TP plan leaves it: replicated, whole, from every TP rank
+    # unless SP shards it (p2p_tp_split False). Aleph Alpha scaling (nn/parallel_module/
+    # communicator.py `PipeCommunicator`) also has every TP rank send the whole tensor, with
+    # blocking torch.distributed.send / recv, one call after the other: 4 transfers of tok*h a
     # micro-batch on a middle stage (receive the input, send the output, receive the output's
     # gradient, send the input's gradient), none hidden. At pp 2 both stages are end stages
     # (pipeline_schedule/train.py: the first sends activations and receives gradients, the last
