@@ -1,8 +1,8 @@
 """Every layout on 4 gloo ranks (ddp, fsdp, tp, tp+sp, pp gpipe/1f1b, interleaved, dp x tp, pp x
 tp, fsdp x tp, and context parallel with fsdp, ddp, tp+sp and pp), recompute none, and full
 where dimensions combine: per-step losses and gradient norms equal the single-process run within
-1e-5 relative. One spawned process group runs them all; slow (a few minutes on 2 cores) but part
-of CI."""
+1e-5 relative; FSDP in a pipeline and TP x PP send the bytes the cost model counts. One spawned
+process group runs them all; slow (a few minutes on 2 cores) but part of CI."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_fsdp_in_a_pipeline_gathers_and_reduces_once_a_step(four_ranks):
     """Inside the pipeline schedule FSDP keeps a stage's weights gathered from its first
     forward and reduce-scatters its accumulated gradients once, after its last backward
     (torch.distributed.pipelining): every parameter gathered and reduced once a step whatever
-    the micro-batch count, as the cost model charges (workbench.plan.terms.fsdp_once). Counted
+    the micro-batch count, as the cost model charges (workbench.plan.stages.fsdp_once). Counted
     per rank and averaged over the 4 ranks, two of which hold each stage: half the model's
     fp32 bytes for each kind."""
     from workbench.train.model import n_params
