@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -321,7 +322,9 @@ def test_this_engines_tp_backward_reduces_each_projection() -> None:
     lay = Layout(tp=8, micro_batch=1, grad_accum=8)
     train = TrainConfig(global_batch=8, micro_batch=1, dtype="bf16")
     engine = software_for(train, c)
-    megatron = Software(**{**engine.__dict__, "per_linear_tp_grads": False})
+    megatron = replace(engine, separate_qkv=False, separate_gate_up=False)
+    assert engine.tp_bwd_allreduces(gated_mlp=True) == 5
+    assert engine.tp_bwd_allreduces(gated_mlp=False) == 4
 
     def tp_s(sw: Software) -> float:
         return estimate(m, c, train, lay, software=sw).time_s["time_tp_comm_s"]

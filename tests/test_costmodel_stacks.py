@@ -51,9 +51,9 @@ def test_scaling_codebase_facts_are_read_from_the_notes() -> None:
     sw = _software("BF16", SCALING_NOTES, "ZeRO-1 (optimizer states sharded over dp)")
     assert sw.zero1_allreduce and sw.dist_optimizer and not sw.overlap_dp
     assert sw.grad_reduce_bytes == 4.0  # allreduce_tensor_in_float32
-    assert sw.tp_bwd_allreduces == 3 and sw.gathered_logits
+    assert sw.tp_bwd_allreduces(gated_mlp=True) == 3 and sw.gathered_logits
     plain = _software("BF16", "--overlap-param-gather", "")
-    assert not plain.zero1_allreduce and plain.tp_bwd_allreduces == 2
+    assert not plain.zero1_allreduce and plain.tp_bwd_allreduces(gated_mlp=True) == 2
     assert not plain.gathered_logits and plain.overlap_dp
 
 
@@ -77,7 +77,7 @@ def test_separate_gate_and_up_projections_add_a_backward_all_reduce(sp: bool) ->
     With SP the backward is reduce-scatters of the gathered inputs: no change."""
     lay = Layout(dp_replicate=2, tp=4, sequence_parallel=sp, micro_batch=1, grad_accum=2)
     two = _est(lay, Software(), 8).time_s["time_tp_comm_s"]
-    three = _est(lay, Software(tp_bwd_allreduces=3), 8).time_s["time_tp_comm_s"]
+    three = _est(lay, Software(separate_gate_up=True), 8).time_s["time_tp_comm_s"]
     assert three == pytest.approx(two if sp else two * 5 / 4, rel=1e-9)
 
 

@@ -170,7 +170,7 @@ def test_tp_without_sp_all_reduces_each_projections_input_gradient(two_ranks):
     and MLP outputs) and one backward per column-parallel projection (q, k, v, and the SwiGLU
     gate and up: 5), each micro_batch x seq_len x hidden x 4 bytes; plus the embedding's output
     and the head's input gradient once each, and the 4-byte loss. The cost model's stack for
-    this engine charges the same 2 + 5 a layer (`Software.per_linear_tp_grads`)."""
+    this engine charges the same 2 + 5 a layer (`Software.separate_qkv`, `separate_gate_up`)."""
     cfg = make_cfg(LAYOUTS_2["tp"])
     m, t = cfg.model, cfg.train
     unit = t.micro_batch * m.seq_len * m.hidden * 4

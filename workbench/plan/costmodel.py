@@ -69,7 +69,8 @@ def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
     plan leaves it: the sequence shard under SP, else the whole tensor from every TP rank."""
     return Software(precision=compute_dtype(train, cluster),
                     compiled=bool(getattr(train, "compile", False)), cp_allgather=True,
-                    batch_first_sp=True, p2p_tp_split=False, per_linear_tp_grads=True)
+                    batch_first_sp=True, p2p_tp_split=False, separate_qkv=True,
+                    separate_gate_up=True)
 
 
 def hardware_for(cluster: ClusterConfig) -> GpuSpec:

@@ -87,17 +87,15 @@ class Software:
     # a reduce-scatter, in fp32 on the wire, and nothing overlapped (set overlap_dp False).
     zero1_allreduce: bool = False
     # Without sequence parallelism every column-parallel linear all-reduces its input gradient
-    # in the backward (Megatron's copy_to_tensor_model_parallel_region). Megatron fuses QKV and
-    # the MLP's gate+up projection, so a layer's backward has 2 all-reduces, as its forward. A
-    # stack whose SwiGLU gate and up projections are separate column-parallel linears (Aleph
-    # Alpha scaling: nn/mlp.py ParallelSwiGLUMLP `dense_in` + `siglu_weight`) has 3.
-    tp_bwd_allreduces: int = 2
-    # This engine's TP plan (torch ColwiseParallel per module, torchtitan-style): q, k, v and
-    # each MLP input projection are separate column-parallel linears, and each turns its
-    # replicated input into a DTensor of its own, so each all-reduces its input gradient:
-    # 3 + 2 all-reduces a SwiGLU layer's backward, 3 + 1 a GELU one (measured on gloo:
-    # tests/test_parallel.py). When set, tp_bwd_allreduces is not read.
-    per_linear_tp_grads: bool = False
+    # in the backward (Megatron's copy_to_tensor_model_parallel_region), so a layer's backward
+    # has one all-reduce per column-parallel linear (tp_bwd_allreduces). Megatron fuses QKV and
+    # the MLP's gate+up projection: 2, as its forward. Aleph Alpha scaling keeps QKV fused but
+    # the SwiGLU gate and up separate (nn/mlp.py ParallelSwiGLUMLP `dense_in` + `siglu_weight`):
+    # 3. This engine's TP plan (torch ColwiseParallel per module, torchtitan-style) makes q, k,
+    # v, gate and up each a linear that turns its replicated input into a DTensor of its own:
+    # 3 + 2 a SwiGLU layer, 3 + 1 a GELU one (measured on gloo: tests/test_parallel.py).
+    separate_qkv: bool = False
+    separate_gate_up: bool = False
     # The LM head's vocab-parallel output is all-gathered to the full vocabulary on every TP
     # rank before an eager fp32 cross-entropy (Aleph Alpha scaling: transformer/model/layers/
     # lm_head.py ColumnParallelLinear with parallel_output False, losses/cross_entropy.py
@@ -168,6 +166,12 @@ class Software:
         if self.loss_hbm_bytes_per_logit:
             return self.loss_hbm_bytes_per_logit / 3.0
         return elem_traffic * 4.0
+
+    def tp_bwd_allreduces(self, gated_mlp: bool) -> int:
+        """Input-gradient all-reduces a layer's backward runs without SP: one per
+        column-parallel linear the stack keeps (QKV fused or q, k, v; the MLP's input
+        projection, or a SwiGLU's gate and up apart)."""
+        return (3 if self.separate_qkv else 1) + (2 if gated_mlp and self.separate_gate_up else 1)
 
     @property
     def act_bytes(self) -> float:

@@ -259,8 +259,7 @@ def stage(ms: ModelShape, hw: GpuSpec, co: Coefficients, sw: Software, x: Setup,
         + (-c.quad_elem if sw.flash_attention else c.attn)
     rec_l = full_frac * c.layer_f + x.sel_attn * core + x.op * op_l
     # m.tp is one pass's 2 collectives; the backward's count without SP is the stack's
-    n_bwd = 3 + (2 if ms.gated_mlp else 1) if sw.per_linear_tp_grads else sw.tp_bwd_allreduces
-    bwd_tp = np.where(a["sp"] > 0, 1.0, n_bwd / 2.0)
+    bwd_tp = np.where(a["sp"] > 0, 1.0, sw.tp_bwd_allreduces(ms.gated_mlp) / 2.0)
     # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
     tp_l = m.tp * (1 + bwd_tp + full_frac + 0.5 * x.op * (a["sp"] > 0))
     cp_l = m.cp_fwd * (1 + full_frac + x.op) + m.cp_bwd

@@ -104,7 +104,7 @@ def _software(precision: str, notes: str, shard: str = "") -> Software:
                         if "TE" in p.replace("(", " ").split() else "tensorwise")
     if "dp-sync-in-step" in n and "BF16" in p:  # grads all-reduced in fp32 in the optimizer step
         facts |= {"zero1_allreduce": True, "dist_optimizer": True,
-                  "tp_bwd_allreduces": 3 if "separate-gate-up" in n else 2,
+                  "separate_gate_up": "separate-gate-up" in n,
                   "gathered_logits": "gathered-logits" in n,
                   # the Aleph Alpha stack (separate gate/up linears) keeps eager copies
                   "unfused_swiglu": "separate-gate-up" in n,
