@@ -14,6 +14,7 @@ The model file knows nothing of this; every step works by module name.
 
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional
 
 import torch
@@ -127,9 +128,15 @@ def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device,
 
     ids = [device.index] if device.type == "cuda" else None
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    # Buffers (RoPE tables, positions, a CP rank's mask) are built alike on every rank of the
+    # group, so DDP need not re-broadcast them each forward. torch 2.13 renamed the switch and
+    # warns on every rank under the old name.
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        kw["forward_sync_buffers"] = False
+    else:
+        kw["broadcast_buffers"] = False
     return DistributedDataParallel(model, device_ids=ids,
-                                   process_group=mesh.group("dp_replicate"),
-                                   broadcast_buffers=False, **kw)
+                                   process_group=mesh.group("dp_replicate"), **kw)
 
 
 def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
