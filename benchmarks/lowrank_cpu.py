@@ -31,7 +31,7 @@ from pathlib import Path
 
 MODEL = ["model=gpt_small", "model.seq_len=128", "train.global_batch=8",
          "train.micro_batch=4", "train.lr=2e-3", "train.warmup_steps=15",
-         "train.eval_every=25", "train.eval_batches=4"]
+         "train.eval_every=25", "train.eval_batches=2"]
 
 
 def main() -> int:

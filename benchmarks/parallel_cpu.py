@@ -53,7 +53,7 @@ def main(argv: List[str]) -> int:
     args = ap.parse_args(argv)
     base = ["model=gpt_tiny", f"train.steps={args.steps}",
             f"train.global_batch={args.global_batch}", f"train.micro_batch={args.micro_batch}",
-            "train.eval_every=100000", "train.eval_batches=2", "train.ckpt_every=100000",
+            "train.eval_every=100000", "train.eval_batches=1", "train.ckpt_every=100000",
             "tracking=none", "data.max_bytes=1000000"]
     root = Path(tempfile.mkdtemp(prefix="wb-bench-"))
     cfg = compose(base)

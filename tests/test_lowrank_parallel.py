@@ -31,7 +31,7 @@ GRAD_NORM_MEDIAN_TOL = 2e-5
 STEPS = 12
 SWITCH_STEP = 3  # first low-rank step: round(0.25 * 12)
 BASE = ["model=gpt_tiny", f"train.steps={STEPS}", "train.global_batch=8",
-        "train.micro_batch=4", "train.eval_batches=2", "train.eval_every=100",
+        "train.micro_batch=4", "train.eval_batches=1", "train.eval_every=100",
         "train.ckpt_every=100", "train.warmup_steps=1", "tracking=none",
         "data.max_bytes=400000",
         "lowrank=fixed", "lowrank.switch_frac=0.25", "lowrank.rank_ratio=0.25",

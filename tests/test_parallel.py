@@ -23,7 +23,7 @@ from workbench.testing.multirank import Case, run_cases, run_single
 
 REL_TOL = 1e-5
 BASE = ["model=gpt_tiny", "train.steps=3", "train.global_batch=8", "train.micro_batch=2",
-        "train.eval_batches=4", "train.eval_every=100", "train.ckpt_every=100",
+        "train.eval_batches=1", "train.eval_every=100", "train.ckpt_every=100",
         "train.warmup_steps=1", "tracking=none", "data.max_bytes=400000"]
 
 # name -> overrides. The presets fill the whole world with one dimension, so these run at any
@@ -43,6 +43,7 @@ LAYOUTS_2: Dict[str, List[str]] = {
                        "layout.virtual_stages=2"],
     "cp": ["layout.cp=2"],
 }
+AUTO_MB = ["train.micro_batch=0"]
 RECOMPUTE = ["none", "full"]
 RECOMPUTE_2 = RECOMPUTE + ["selective", "selective_op"]  # at 2 ranks only
 
@@ -79,7 +80,7 @@ def assert_matches_single_process(result: Dict, ref: Dict) -> None:
     assert "error" not in result, result.get("traceback")
     assert max_rel_err(losses(result), losses(ref)) < REL_TOL
     assert max_rel_err(grad_norms(result), grad_norms(ref)) < REL_TOL
-    # Evaluation sees the same sequences in every layout (eval_batches divisible by dp).
+    # Evaluation sees the same sequences in every layout (eval_batches counts global batches).
     assert abs(result["last"]["val_loss"] - ref["last"]["val_loss"]) \
         < REL_TOL * ref["last"]["val_loss"]
 
@@ -122,9 +123,16 @@ def two_ranks(tmp_path_factory):
                   fingerprint=True, train=False),
         make_case("dcp-into-cp", 2, ["layout.cp=2"] + ckpt_over, ckpt, "dcp-fsdp",
                   fingerprint=True, train=False),
+        # The micro-batch left to the layout (train.micro_batch=0): 4 under DDP, 4 under a
+        # 2-stage pipeline, 8 in one process.
+        *[make_case(f"auto_mb-{name}", 2, [f"layout={name}", *AUTO_MB], ckpt) for name in
+          ("ddp", "pp")],
     ]
+    for case in extra[-2:]:
+        case.ckpt_dir = ""
     results = run_matrix(2, LAYOUTS_2, root, extra, recompute=RECOMPUTE_2)
-    return {"results": results, "ref": reference(root), "root": root}
+    return {"results": results, "ref": reference(root), "root": root,
+            "ref_auto_mb": reference(root / "auto_mb", AUTO_MB)}
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE_2)
@@ -132,6 +140,19 @@ def two_ranks(tmp_path_factory):
 def test_two_rank_losses_match_single_process(two_ranks, name, recompute):
     assert_matches_single_process(two_ranks["results"][f"{name}-rc_{recompute}"],
                                   two_ranks["ref"])
+
+
+@pytest.mark.parametrize("name", ["ddp", "pp"])
+def test_val_loss_compares_across_layouts_that_pick_their_own_micro_batch(two_ranks, name):
+    """With train.micro_batch left to the layout, DDP and a pipeline run micro-batches of 4
+    where one process runs 8; validation counts global batches, so all three evaluate the
+    same sequences and log the same val_loss (it counted micro-batches: 4 sequences vs 8)."""
+    result, ref = two_ranks["results"][f"auto_mb-{name}"], two_ranks["ref_auto_mb"]
+    assert "error" not in result, result.get("traceback")
+    cfg, one = make_cfg([f"layout={name}", *AUTO_MB]), make_cfg(AUTO_MB)
+    assert layouts.resolve(cfg.layout, cfg.train, 2).micro_batch == 4
+    assert layouts.resolve(one.layout, one.train, 1).micro_batch == 8
+    assert_matches_single_process(result, ref)
 
 
 def test_metrics_are_measured_per_step(two_ranks):

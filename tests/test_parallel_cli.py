@@ -21,7 +21,7 @@ STEPS = 4
 README_JOBS = "python -m workbench.run launcher=torchrun launcher.nproc_per_node=2 layout=ddp"
 ARGS = ["launcher=torchrun", "launcher.nproc_per_node=2", "model=gpt_tiny",
         f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
-        "train.eval_every=100", "train.eval_batches=2", "train.ckpt_every=100",
+        "train.eval_every=100", "train.eval_batches=1", "train.ckpt_every=100",
         "train.warmup_steps=1", "data.max_bytes=400000"]
 
 

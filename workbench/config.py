@@ -129,6 +129,8 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     eval_every: int = 50
+    # Validation size in global batches (eval_batches x global_batch sequences, the same ones at
+    # every evaluation and in every layout, so val_loss compares across layouts).
     eval_batches: int = 4
     ckpt_every: int = 100
     keep_ckpts: int = 2

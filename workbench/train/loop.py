@@ -70,11 +70,10 @@ def micro_batches(ctx: LoopContext, split: str, step: int, count: int) -> List[B
 def evaluate(ctx: LoopContext) -> Dict[str, float]:
     """Mean loss over a fixed set of validation sequences (the same at every evaluation), per
     source and for the target mixture when the data is a mixture (workbench.data.mixture)."""
-    t = ctx.cfg.train
-    # The same sequences for every layout (when eval_batches is a multiple of dp), split
-    # across data-parallel ranks; rounded up to whole micro-batches on every rank otherwise.
-    per = ctx.layout.micro_batch * ctx.engine.dp_size
-    count = -(-t.eval_batches * ctx.layout.micro_batch // per) * per
+    # Counted in global batches, which no layout changes, so every layout evaluates the same
+    # sequences and runs that differ only in layout log comparable val_loss; the global batch
+    # divides into whole micro-batches on every data-parallel rank.
+    count = ctx.cfg.train.eval_batches * ctx.cfg.train.global_batch
     return ctx.data.val_losses(
         lambda split: ctx.engine.eval_loss(micro_batches(ctx, split, 0, count)))
 
