@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import FAST, cli, metric_series
 
 from workbench.run import main
@@ -120,3 +121,27 @@ def test_corrupt_checkpoint_falls_back_to_previous_good_one(workdir):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "no valid checkpoint" in out.stderr
     assert metric_series(run_id, "loss") == before
+
+
+def test_a_resumed_run_refuses_overrides_its_job_file_does_not_hold(workdir, capsys):
+    """`train.run_dir=DIR` on a run that exists resumes it as its job file says: an override
+    asking for something else (more steps, another layout) ends in one line and exit 2 instead
+    of being dropped, and leaves the run as it was; the same command resumes."""
+    run_dir = workdir / "run"
+    args = FAST + [f"train.run_dir={run_dir}"]
+    assert main(args) == 0
+    job_before = (run_dir / "job.json").read_text()
+    for extra, key in ((["train.steps=20"], "train.steps=20"),
+                       (["layout=fsdp"], "layout.name='fsdp'"),
+                       (["model=gpt_small"], "model.name='gpt_small'")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as ended:
+            main(args + extra)
+        assert ended.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {key}: the run in "), err
+        assert "job file defines it" in err[0]
+    assert (run_dir / "job.json").read_text() == job_before
+    assert len(_runs()) == 1 and len(metric_series(_runs()[0].info.run_id, "loss")) == 12
+    assert main(args) == 0  # the same command: resumes (here re-finishes) the run
+    assert len(_runs()) == 1

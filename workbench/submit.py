@@ -12,7 +12,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from workbench import layout as layouts
 from workbench.cli import compose
@@ -37,6 +37,47 @@ def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
         layout = layouts.resolve(cfg.layout, cfg.train, world_size)
     layouts.validate(layout, cfg.model, world_size)
     return layout
+
+
+# Keys prepare_job fills in after composing: a group choice (train=..., model=...) reaches them
+# without asking for a value, and 0 asks for the value to be chosen.
+FILLED_IN = ("train.run_dir", "train.micro_batch", "train.threads", "model.vocab")
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return json.loads(json.dumps(tree))  # tuples as the job file's lists
+
+
+def _leaves(value: Any, key: str):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{key}.{k}")
+    else:
+        yield key, value
+
+
+def conflicting_override(job: Job, cfg: RunConfig, overrides: List[str]
+                         ) -> Optional[Tuple[str, Any, Any]]:
+    """The first override that asks a run resumed from its job file for something the file does
+    not hold, as (key, asked, recorded): dropping it silently would resume what the user did not
+    ask for. A group choice (layout=fsdp) is compared over the whole group."""
+    asked_tree = config_dict(cfg)
+    for text in overrides:
+        named = text.split("=", 1)[0].lstrip("+~")
+        if "=" not in text or named.split(".")[0] in ("sweep", "hydra"):
+            continue
+        for key, asked in _leaves(_at(asked_tree, named), named):
+            if key in FILLED_IN and (key != named or asked in (0, "")
+                                     or key == "train.run_dir"):
+                continue
+            recorded = _at(job.config, key)
+            if asked != recorded:
+                return key, asked, recorded
+    return None
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -156,6 +197,12 @@ def start(overrides: List[str]) -> Tuple[RunConfig, Job]:
     cfg = compose(overrides)
     job = existing_job(cfg)
     if job is not None:
+        conflict = conflicting_override(job, cfg, overrides)
+        if conflict:
+            key, asked, recorded = conflict
+            raise ConfigError(key, asked, f"the run in {job.run_dir} holds {recorded!r} and its "
+                              "job file defines it: resume without this override, or start a "
+                              "new run in another train.run_dir")
         print(f"resuming run in {job.run_dir} (its job file defines the run)", file=sys.stderr)
         check_tracking(job.run_config())
         return job.run_config(), job
