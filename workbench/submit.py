@@ -40,24 +40,9 @@ def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
 
 
 # Keys prepare_job fills in after composing: a group choice (train=..., model=...) reaches them
-# without asking for a value, and 0 asks for the value to be chosen.
-FILLED_IN = ("train.run_dir", "train.micro_batch", "train.threads", "model.vocab")
-
-
-def _at(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return json.loads(json.dumps(tree))  # tuples as the job file's lists
-
-
-def _leaves(value: Any, key: str):
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _leaves(v, f"{key}.{k}")
-    else:
-        yield key, value
+# without asking for a value, and 0 asks for the value to be chosen. The run folder is how the
+# job was found (the file holds it resolved), so it is never a conflict.
+FILLED_IN = ("train.micro_batch", "train.threads", "model.vocab")
 
 
 def conflicting_override(job: Job, cfg: RunConfig, overrides: List[str]
@@ -65,16 +50,18 @@ def conflicting_override(job: Job, cfg: RunConfig, overrides: List[str]
     """The first override that asks a run resumed from its job file for something the file does
     not hold, as (key, asked, recorded): dropping it silently would resume what the user did not
     ask for. A group choice (layout=fsdp) is compared over the whole group."""
-    asked_tree = config_dict(cfg)
+    asked_flat, recorded_flat = flat_params(config_dict(cfg)), flat_params(job.config)
     for text in overrides:
         named = text.split("=", 1)[0].lstrip("+~")
         if "=" not in text or named.split(".")[0] in ("sweep", "hydra"):
             continue
-        for key, asked in _leaves(_at(asked_tree, named), named):
-            if key in FILLED_IN and (key != named or asked in (0, "")
-                                     or key == "train.run_dir"):
+        for key, asked in asked_flat.items():
+            if key != named and not key.startswith(named + "."):
                 continue
-            recorded = _at(job.config, key)
+            if key == "train.run_dir" or (key in FILLED_IN and (key != named or asked in (0, ""))):
+                continue
+            # through JSON, as the job file was written: tuples compare as its lists
+            asked, recorded = json.loads(json.dumps([asked, recorded_flat.get(key)]))
             if asked != recorded:
                 return key, asked, recorded
     return None
