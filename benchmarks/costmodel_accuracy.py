@@ -8,8 +8,9 @@ measured best), and beside it how well the sheet ranks itself (`twin_agreement`)
 step-time ratio of two kernels over the same layouts, measured and predicted
 (`kernel_ratios`); OOM
 precision/recall/F1 of `not pred_fits` on rows with a known outcome (every measured row ran;
-rows with outcome=oom did not); which sources set a coefficient; the error on published peak
-memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Nothing here is
+rows with outcome=oom did not), and the same at each of a few `plan --margin-gib` margins
+(what a margin catches against what it rejects); which sources set a coefficient; the error on
+published peak memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Nothing here is
 fitted: the figures are whatever the physical defaults give (`--interconnect` is a what-if,
 never a default).
 
@@ -101,15 +102,20 @@ def regret(meas: list[float], pred: list[float], lower_better: bool) -> float:
     return abs(meas[pick] - best) / best
 
 
-def oom_scores(rows: list[dict[str, str]]) -> tuple[int, int, int, int]:
-    """(tp, fp, fn, tn) of predicting OOM (not pred_fits) on rows with a known outcome: every
-    measured row ran; rows whose `outcome` says oom did not."""
+MARGINS_GIB = (0.0, 1.0, 2.0, 4.0, 8.0)
+
+
+def oom_scores(rows: list[dict[str, str]], margin_gib: float = 0.0
+               ) -> tuple[int, int, int, int]:
+    """(tp, fp, fn, tn) of predicting OOM (not pred_fits, or less than `margin_gib` of headroom:
+    `plan --margin-gib`) on rows with a known outcome: every measured row ran; rows whose
+    `outcome` says oom did not."""
     tp = fp = fn = tn = 0
     for r in rows:
         if r.get("pred_fits") not in ("true", "false"):
             continue
         oom = (r.get("outcome") or "").strip().lower() == "oom"
-        pred_oom = r["pred_fits"] == "false"
+        pred_oom = r["pred_fits"] == "false" or float(r["pred_headroom_gib"]) < margin_gib
         tp += oom and pred_oom
         fp += (not oom) and pred_oom
         fn += oom and not pred_oom
@@ -250,6 +256,7 @@ def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
     print("OOM as `not pred_fits` (peak + 0 GiB margin <= HBM) over every row with a known "
           f"outcome: tp {tp} fp {fp} fn {fn} tn {tn}; precision {prec:.2f} recall {rec:.2f} "
           f"F1 {f1:.2f}")
+    report_margins(preds)
     print("\nper row (measured -> predicted):")
     for row, meas, pred in pairs:
         print(f"  {row['source_group']:<18}{row['model'][:28]:<29}n={row['n_gpus']:<6}"
@@ -291,6 +298,18 @@ def report_oom_sweeps(preds: list[dict[str, str]]) -> None:
         prec, rec, f1 = _f1(tp, fp, fn)
         print(f"  {src:<20}{model:<30}n={n:<6}oom {tp + fn:<4}ran {fp + tn:<4}"
               f"P {prec:.2f} R {rec:.2f} F1 {f1:.2f}")
+
+
+def report_margins(preds: list[dict[str, str]]) -> None:
+    """What `plan --margin-gib G` trades over every labelled row: OOMs it catches against
+    layouts that ran and it would reject, so a user picks a margin from measured outcomes."""
+    print("OOM by margin (a layout fits when peak + margin <= HBM; plan --margin-gib):")
+    for g in MARGINS_GIB:
+        tp, fp, fn, tn = oom_scores(preds, g)
+        prec, rec, f1 = _f1(tp, fp, fn)
+        print(f"  margin {g:>4g} GiB: precision {prec:.2f} recall {rec:.2f} F1 {f1:.2f}; "
+              f"rejects {fp} of the {fp + tn} layouts that ran, lets {fn} of {tp + fn} OOMs "
+              "through")
 
 
 # Korthikanti et al. Fig. 1 models with their Table 5 layouts (TP, PP, interleave, micro-batch).

@@ -99,6 +99,24 @@ def test_search_places_stages_on_pools_and_answers_the_fast_pool_question() -> N
     assert len(rs.uses(int(rs.order[0]))) == 1
 
 
+def test_a_margin_keeps_every_stage_that_much_below_its_gpus_memory() -> None:
+    """rank_pools under `--margin-gib`: the split balances within HBM less the margin, so a
+    layout feasible only by filling a pool's memory drops out, and no survivor eats the margin."""
+    from workbench.plan.hardware import GIB
+
+    cfg = compose(POOLS)
+    r0 = rank_pools(cfg.model, cfg.cluster, cfg.train)
+    r8 = rank_pools(cfg.model, cfg.cluster, cfg.train, margin_bytes=8 * GIB)
+    assert 0 < len(r8.order) < len(r0.order)
+    assert set(r8.order) < set(r0.order)
+    assert r8.mem_frac[r8.order].max() <= 1.0  # a share of HBM less the margin
+    # a dropped layout filled some stage past its HBM less the margin under the old split (else
+    # that split would still be feasible)
+    hbm = [p.spec.hbm_bytes for p in r8.pools]
+    dropped = [int(i) for i in r0.order if i not in set(r8.order)]
+    assert min(r0.mem_frac[dropped]) > min(1 - 8 * GIB / h for h in hbm)
+
+
 def test_plan_command_prints_stage_pools_and_the_single_pool_best(tmp_path, capsys) -> None:
     out = tmp_path / "rank.csv"
     assert plan_main.main(POOLS + ["--out", str(out), "--top", "3"]) == 0

@@ -88,6 +88,13 @@ def test_calibrate_writes_coeff_to_a_copy(tmp_path) -> None:
     ("workbench.plan", ["model=llama3_8b", "--explain", "tp8_bogus"]),
     ("workbench.plan", ["model=llama3_8b", "--explain", "tp3_mb1"]),
     ("workbench.plan", ["model=llama3_8b", "--explain", "tp2_mb1", "--margin-gib", "-1"]),
+    ("workbench.plan", ["model=llama3_8b", "--margin-gib", "nan"]),
+    ("workbench.plan", ["model=llama3_8b", "--top", "-1"]),
+    ("workbench.plan", ["model=llama3_8b", "--world-size", "-8"]),
+    ("workbench.plan", ["model=llama3_8b", "--optuna", "-5"]),
+    # a key of another world size (16 GPUs where the cluster has 8) or global batch (8, not 16)
+    ("workbench.plan", ["model=llama3_8b", "--explain", "dpr1_dps16_tp1_pp1_cp1_mb1_ga1_rc-none"]),
+    ("workbench.plan", ["model=llama3_8b", "--explain", "dpr1_dps8_tp1_pp1_cp1_mb1_ga1_rc-none"]),
     ("workbench.plan.validate", ["--csv", "/no/such.csv", "--out", "/tmp/x.csv"]),
     ("workbench.plan.validate", ["--nope"]),
     ("workbench.plan.calibrate", ["--cluster", "nope", "--csv", "/no/such.csv"]),
@@ -99,6 +106,40 @@ def test_bad_input_exits_2_with_one_line(module, args, tmp_path) -> None:
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_margin_rejects_exactly_the_layouts_that_leave_too_little_free(tmp_path, capsys) -> None:
+    """`--margin-gib G` holds for the ranking and the Optuna search, not only --explain: a layout
+    that fits with less than G GiB free is rejected under a reason of its own, and every other
+    layout keeps its place; a user who trusts the memory model less gets a ranking that says so."""
+    from workbench.cli import compose
+    from workbench.plan.hardware import GIB
+    from workbench.plan.optuna_search import optuna_search
+    from workbench.plan.search import NOT_FIT, REASONS, UNDER_MARGIN, rank_layouts
+
+    cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
+                   "train.global_batch=32"])
+    margin = 4 * GIB
+    r0 = rank_layouts(cfg.model, cfg.cluster, cfg.train, 8)
+    r4 = rank_layouts(cfg.model, cfg.cluster, cfg.train, 8, margin_bytes=margin)
+    tight = [int(i) for i in r0.order if r0.hbm_bytes - r0.peak_mem_bytes[i] < margin]
+    assert 0 < len(tight) < len(r0.order)
+    assert list(r4.order) == [i for i in r0.order if i not in tight]
+    assert {r4.reason_of(i) for i in tight} == {UNDER_MARGIN}
+    assert (r4.reason == REASONS.index(NOT_FIT)).sum() == (r0.reason == REASONS.index(NOT_FIT)).sum()
+    res = optuna_search(cfg.model, cfg.cluster, cfg.train, 8, 12, 0, margin_bytes=margin)
+    assert res.layout is not None and res.layout.key() in {r4.layout(int(i)).key() for i in r4.order}
+    out_csv = tmp_path / "rank.csv"
+    assert plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
+                           "train.global_batch=32", "--margin-gib", "4", "--top", "3",
+                           "--out", str(out_csv)]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(r4.order)} feasible (peak + 4 GiB margin within 80.0 GiB)" in out
+    assert f"{len(tight):>9}  {UNDER_MARGIN}" in out
+    with out_csv.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert all(float(r["peak_mem_gib"]) <= 76.0 + 1e-3 for r in rows if r["fits"] == "true")
+    assert sum(r["rejected_because"] == UNDER_MARGIN for r in rows) == len(tight)
 
 
 @pytest.mark.parametrize("key", [
@@ -121,8 +162,8 @@ def test_explain_parts_sum_to_the_total(key: str, capsys) -> None:
     assert x.peak_bytes == pytest.approx(est.peak_mem_bytes, rel=1e-12)
     assert sum(x.time_s.values()) == pytest.approx(x.step_time_s, rel=1e-12)
     assert x.fits == (est.peak_mem_bytes + 2 * 2**30 <= est.hbm_bytes)
-    rc = plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
-                         "--explain", key, "--margin-gib", "2"])
+    rc = plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=2",
+                         "train.dtype=bf16", "--explain", key, "--margin-gib", "2"])
     out = capsys.readouterr().out
     assert rc == 0 and "optimizer states" in out and "fragmentation" in out
     assert f"{x.peak_bytes / 2**30:.2f} GiB" in out
@@ -217,7 +258,7 @@ def test_explain_shows_the_bandwidth_each_group_gets(capsys) -> None:
     assert (dp.size, dp.stride, dp.nodes, dp.nics) == (16, 2, 4, 4)
     assert dp.bytes_per_s == pytest.approx(4 * hw.inter_node_gbps * co.link_eff_inter * 1e9)
     assert set(x.links) == {"tensor parallel", "data parallel, replicated"}
-    pp = explain(cfg.model, cfg.cluster, cfg.train, "dpr1_dps8_tp2_pp2_cp1_mb1_ga8_rc-none"
+    pp = explain(cfg.model, cfg.cluster, cfg.train, "dpr1_dps8_tp2_pp2_cp1_mb1_ga2_rc-none"
                  ).links["pipeline send"]
     assert (pp.size, pp.stride, pp.nics) == (2, 16, 1)
     assert plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=4",

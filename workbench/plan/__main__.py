@@ -3,8 +3,9 @@
 Ranks every layout of the model on the cluster's GPUs with the cost model, prints the top 10
 and why the others were rejected, and writes the full ranking to a CSV. Hydra overrides pick the
 inputs; `--out PATH`, `--top N`, `--world-size N`, `--optuna N` (also run an N-trial Optuna
-search and report it) and `--explain LAYOUT [--margin-gib G]` (itemize one layout's peak memory
-and step time instead of ranking) are the command's own options.
+search and report it), `--margin-gib G` (a layout fits when its predicted peak plus G GiB stays
+within HBM) and `--explain LAYOUT` (itemize one layout's peak memory and step time instead of
+ranking) are the command's own options.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from workbench.cli import ArgParser, InputError, compose, guarded
+from workbench.config import ConfigError
 from workbench.plan.hardware import GIB
 from workbench.plan.search import Ranking, rank_layouts
 
@@ -48,6 +50,20 @@ def _key_or_degrees(r: Ranking, i: int) -> str:
             f"_cp{int(a['cp'][i])}_mb{int(a['mb'][i])}")
 
 
+def _check_options(top: int, world_size: int, optuna: int, margin_gib: float) -> None:
+    """The command's own numbers, checked before the (slow) ranking: a negative --top would
+    slice from the end, a negative margin would admit layouts past HBM."""
+    if top < 0:
+        raise ConfigError("--top", top, "a number of layouts to print, >= 0")
+    if world_size < 0:
+        raise ConfigError("--world-size", world_size,
+                          "a number of GPUs >= 1 (0 or absent: cluster.nodes x gpus_per_node)")
+    if optuna < 0:
+        raise ConfigError("--optuna", optuna, "a number of trials >= 0")
+    if not (math.isfinite(margin_gib) and margin_gib >= 0):
+        raise ConfigError("--margin-gib", margin_gib, "a non-negative number of GiB")
+
+
 def main(argv: list[str]) -> int:
     p = ArgParser(prog="python -m workbench.plan",
                 description="Rank every parallel layout with the cost model.")
@@ -60,28 +76,32 @@ def main(argv: list[str]) -> int:
     p.add_argument("--explain", default="", metavar="LAYOUT",
                    help="itemize one layout (a key as the ranking prints it) instead of ranking")
     p.add_argument("--margin-gib", type=float, default=0.0,
-                   help="memory a layout must leave free to count as fitting (--explain)")
+                   help="GiB a layout must leave free to count as fitting (ranking, --optuna, "
+                        "--explain)")
     args = p.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise InputError(f"override {bad[0]!r}: use key=value (e.g. model=llama3_70b)")
+    _check_options(args.top, args.world_size, args.optuna, args.margin_gib)
     cfg = compose(args.overrides)
+    world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
     if args.explain:
         from workbench.plan.explain import explain, render
 
-        x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib)
+        x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib,
+                    world)
         print("\n".join(render(x)))
         return 0
     if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.hetero)
         from workbench.plan.hetero_report import pool_main
 
-        return pool_main(cfg, args.out, args.top)
-    world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank)
+        return pool_main(cfg, args.out, args.top, args.margin_gib)
+    margin = args.margin_gib * GIB
+    r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank, margin_bytes=margin)
     hbm = r.hbm_bytes / GIB
     print(f"{cfg.model.name} on {world} x {cfg.cluster.gpu} ({cfg.cluster.name}), global batch "
           f"{cfg.train.global_batch} x seq {cfg.model.seq_len}: {len(r)} layouts, "
-          f"{len(r.order)} feasible")
+          f"{len(r.order)} feasible (peak + {args.margin_gib:g} GiB margin within {hbm:.1f} GiB)")
     print(f"{'#':>3}  {'layout':<52}{'tokens/s':>12}{'tok/s/GPU':>11}{'MFU':>7}"
           f"{'mem GiB':>9}{'headroom':>10}")
     for rank, i in enumerate(r.order[: args.top], 1):
@@ -98,7 +118,7 @@ def main(argv: list[str]) -> int:
         from workbench.plan.optuna_search import optuna_search
 
         res = optuna_search(cfg.model, cfg.cluster, cfg.train, world, args.optuna,
-                            cfg.train.seed, cfg.lowrank)
+                            cfg.train.seed, cfg.lowrank, margin_bytes=margin)
         best = r.tokens_per_s[r.order[0]] if len(r.order) else float("nan")
         key = res.layout.key() if res.layout else "none feasible"
         print(f"optuna ({res.n_trials} trials, {res.n_infeasible} infeasible): {key} "

@@ -71,13 +71,25 @@ class Explanation:
 
 
 def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key: str,
-            lowrank: LowRankConfig | None = None, margin_gib: float = 0.0) -> Explanation:
-    """Itemize the layout `key` (a Layout key as the ranking prints it)."""
+            lowrank: LowRankConfig | None = None, margin_gib: float = 0.0,
+            world_size: int = 0) -> Explanation:
+    """Itemize the layout `key` (a Layout key as the ranking prints it) of `world_size` GPUs
+    (0: the cluster's). A key of another world size or global batch is refused, not explained:
+    its figures would answer a question the user did not ask (another cluster, another batch)."""
     try:
         layout = Layout.from_key(key)
     except (TypeError, ValueError) as e:
         raise ConfigError("--explain", key, f"a layout key as the ranking prints it ({e})"
                           ) from None
+    world = world_size or cluster.nodes * cluster.gpus_per_node
+    if layout.world_size != world:
+        raise ConfigError("--explain", key,
+                          f"a layout of the {world} GPUs planned (cluster.nodes x gpus_per_node, "
+                          f"or --world-size); this one spans {layout.world_size}")
+    if layout.global_batch != train.global_batch:
+        raise ConfigError("--explain", key,
+                          f"a layout of train.global_batch={train.global_batch}; this one's "
+                          f"dp x mb x ga is {layout.global_batch}")
     try:
         validate_layout(layout, model, layout.world_size)
     except ConfigError as e:

@@ -11,6 +11,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from workbench.plan.hardware import GIB
 from workbench.plan.hetero_search import HeteroRanking, rank_pools, speedup, world_of
 
 
@@ -38,13 +39,16 @@ def _row(rank: str, r: HeteroRanking, i: int) -> str:
             f"{r.tokens_per_s[i]:>12.4g}{r.step_time_s[i]:>10.4g}{r.mem_frac[i]:>8.0%}")
 
 
-def pool_main(cfg: Any, out: Path | None, top: int) -> int:
+def pool_main(cfg: Any, out: Path | None, top: int, margin_gib: float = 0.0) -> int:
     """Rank, print and write the layouts of cfg.model on cfg.cluster's pools."""
-    r = rank_pools(cfg.model, cfg.cluster, cfg.train, cfg.lowrank)
+    r = rank_pools(cfg.model, cfg.cluster, cfg.train, cfg.lowrank, margin_bytes=margin_gib * GIB)
     desc = " + ".join(f"{p.nodes}x{p.spec.gpus_per_node} {p.spec.name} ({p.name})"
                       for p in r.pools)
     print(f"{cfg.model.name} on pools {desc}, global batch {cfg.train.global_batch} x seq "
           f"{cfg.model.seq_len}: {len(r)} layouts, {len(r.order)} feasible")
+    if margin_gib:
+        print(f"fits: every stage's peak + {margin_gib:g} GiB margin within its GPUs' memory "
+              "(mem: the share of memory less the margin)")
     print(f"{'#':>3}  {'layout':<26}{'stages (pool:layers per stage)':<40}{'GPUs':>5}"
           f"{'tokens/s':>12}{'step s':>10}{'mem':>8}")
     for rank, i in enumerate(r.order[:top], 1):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -126,15 +126,18 @@ def _reasons(model: ModelConfig, base: dict[str, np.ndarray], rows: np.ndarray,
 
 
 def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
-               lowrank: LowRankConfig | None = None, software: Software | None = None
-               ) -> HeteroRanking:
-    """Score every layout over the cluster's pools (workbench.plan.pools.pools_of)."""
+               lowrank: LowRankConfig | None = None, software: Software | None = None,
+               margin_bytes: float = 0.0) -> HeteroRanking:
+    """Score every layout over the cluster's pools (workbench.plan.pools.pools_of); every stage
+    keeps `margin_bytes` of its GPUs' memory free (the split balances within the rest, and
+    mem_frac is a share of the rest)."""
     pools = pools_of(cluster)
     gb = int(train.global_batch)
     ms = model_shape(model, lowrank)
     sw = software or software_for(train, cluster)
     base = base_space(pools, gb)
-    costs: list[PoolCosts] = [pool_costs(ms, p, sw, base, float(gb)) for p in pools]
+    costs: list[PoolCosts] = [replace(c, hbm_bytes=c.hbm_bytes - margin_bytes)
+                              for c in (pool_costs(ms, p, sw, base, float(gb)) for p in pools)]
     rows, seqs = _layouts(pools, base)
     s_max = max(len(s) for s in seqs)
     stage_pool = np.full((len(rows), s_max), -1, dtype=np.int64)

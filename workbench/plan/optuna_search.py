@@ -35,8 +35,8 @@ from workbench.layout import Layout
 from workbench.plan.columns import SCHEDULES, Recompute, Schedule, code, columns
 from workbench.plan.rules import COST_RULES, first_broken, select
 from workbench.plan.search import (
+    MEMORY_REASONS,
     MICRO_BATCHES,
-    NOT_FIT,
     REASONS,
     SCHED_V,
     divisors,
@@ -150,9 +150,10 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
                   world_size: int, n_trials: int = 100, seed: int = 0,
                   lowrank: LowRankConfig | None = None,
                   storage: str | None = None, study_name: str | None = None,
-                  local_share: float = 0.5) -> SearchResult:
+                  local_share: float = 0.5, margin_bytes: float = 0.0) -> SearchResult:
     """Seeded TPE search (then a local search) maximizing predicted tokens/s; returns the best
-    feasible layout. Every trial, feasible or not, counts against `n_trials`."""
+    feasible layout (peak + `margin_bytes` within HBM, as in search.score). Every trial,
+    feasible or not, counts against `n_trials`."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space, gb = _space(model, world_size), int(train.global_batch)
     with warnings.catch_warnings():  # group= is "experimental" in Optuna 5; it handles the
@@ -167,7 +168,7 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
     def evaluate(a: dict) -> tuple[float, str, Layout | None]:
         key = tuple(sorted(a.items()))
         if key not in cache:
-            cache[key] = _score_lightest(model, cluster, train, a, lowrank)
+            cache[key] = _score_lightest(model, cluster, train, a, lowrank, margin_bytes)
         return cache[key]
 
     best: tuple[float, Layout | None, dict | None] = (-1.0, None, None)
@@ -197,7 +198,7 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
             if a is None:
                 break
             value, reason, lay = evaluate(a)
-            if reason != NOT_FIT:
+            if reason not in MEMORY_REASONS:
                 break
         if not reason and value > best[0]:
             best = (value, lay, p)
@@ -222,17 +223,24 @@ def _params_of(space: _Space, q: dict) -> set[str]:
 
 
 def _score_lightest(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, a: dict,
-                    lowrank: LowRankConfig | None) -> tuple[float, str, Layout | None]:
+                    lowrank: LowRankConfig | None, margin_bytes: float = 0.0
+                    ) -> tuple[float, str, Layout | None]:
     """(tokens/s, reason it is infeasible or "", layout) of the fastest layout these degrees
     allow over every recompute and every stage split the exhaustive planner scores. Neither is
     sampled, like the repairs: the lightest recompute that fits is never slower than a heavier
     one, and the best split of a pipeline is a property of its degrees, not a choice TPE can
     learn from neighbours (the split candidates differ per pp * virtual_stages)."""
     rcs = np.array([int(r) for r in Recompute], dtype=np.float64)
-    r = score(model, cluster, train, with_splits(columns(**{**a, "rc": rcs}), model), lowrank)
+    r = score(model, cluster, train, with_splits(columns(**{**a, "rc": rcs}), model), lowrank,
+              margin_bytes=margin_bytes)
     if len(r.order):
         best = int(r.order[0])
         return float(r.tokens_per_s[best]), "", r.layout(best)
-    # a rule of the degrees holds for every row; NOT_FIT where some split or recompute is valid
-    reason = NOT_FIT if (r.reason == REASONS.index(NOT_FIT)).any() else r.reason_of(0)
+    # a rule of the degrees holds for every row; a memory reason where some split or recompute
+    # is valid (the margin's where one fits but too tightly)
+    reason = r.reason_of(0)
+    for why in MEMORY_REASONS[::-1]:
+        if (r.reason == REASONS.index(why)).any():
+            reason = why
+            break
     return 0.0, reason, None

@@ -30,8 +30,11 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 SCHED_V = ((Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED_1F1B, 2),
            (Schedule.INTERLEAVED_1F1B, 3), (Schedule.INTERLEAVED_1F1B, 4))
 NOT_FIT = "does not fit in GPU memory"
+UNDER_MARGIN = "fits, but leaves less than the --margin-gib margin free"
+MEMORY_REASONS = (NOT_FIT, UNDER_MARGIN)
 # rejection reasons: the cost rules' names (rules reported as one share a name), then memory
-REASONS: tuple[str, ...] = ("feasible", *dict.fromkeys(r.name for r in COST_RULES), NOT_FIT)
+REASONS: tuple[str, ...] = ("feasible", *dict.fromkeys(r.name for r in COST_RULES),
+                            *MEMORY_REASONS)
 _REASON_OF_RULE = np.array([0] + [REASONS.index(r.name) for r in COST_RULES], dtype=np.int8)
 
 
@@ -110,6 +113,7 @@ class Ranking:
     peak_mem_bytes: np.ndarray
     hbm_bytes: float
     order: np.ndarray
+    margin_bytes: float = 0.0  # HBM a layout had to leave free to count as fitting
 
     def __len__(self) -> int:
         return len(self.reason)
@@ -127,8 +131,11 @@ class Ranking:
 
 def score(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
           a: dict[str, np.ndarray], lowrank: LowRankConfig | None = None,
-          software: Software | None = None, coeff: Coefficients | None = None) -> Ranking:
-    """Score the layouts in `a` (columns as enumerate_space makes them) and rank them."""
+          software: Software | None = None, coeff: Coefficients | None = None,
+          margin_bytes: float = 0.0) -> Ranking:
+    """Score the layouts in `a` (columns as enumerate_space makes them) and rank them; a layout
+    fits when its predicted peak plus `margin_bytes` stays within HBM (the margin is the user's
+    trust in the memory model: what a run must keep free for what the model does not itemize)."""
     gb = int(train.global_batch)
     n = len(a["tp"])
     world = a["dpr"][0] * a["dps"][0] * a["tp"][0] * a["pp"][0] * a["cp"][0] if n else 1
@@ -146,23 +153,25 @@ def score(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     full["tok"][ok] = gb * ms.seq_len / t["step_time_s"]
     full["mfu"][ok] = model_f / (t["step_time_s"] * world * peak)
     full["mem"][ok] = t["peak_mem_bytes"]
+    reason = np.where(ok & (full["mem"] + margin_bytes > hw.hbm_bytes),
+                      REASONS.index(UNDER_MARGIN), reason)
     reason = np.where(ok & (full["mem"] > hw.hbm_bytes), REASONS.index(NOT_FIT), reason)
     arrays["ga"] = np.where(ok, arrays["ga"], 0).astype(np.float64)
     feas = np.flatnonzero(reason == 0)
     order = feas[np.argsort(-full["tok"][feas], kind="stable")]
     return Ranking(arrays, reason, full["tok"], full["mfu"], full["step"], full["mem"],
-                   hw.hbm_bytes, order)
+                   hw.hbm_bytes, order, margin_bytes)
 
 
 def rank_layouts(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, world_size: int,
                  lowrank: LowRankConfig | None = None, software: Software | None = None,
-                 coeff: Coefficients | None = None) -> Ranking:
+                 coeff: Coefficients | None = None, margin_bytes: float = 0.0) -> Ranking:
     """Enumerate and score the whole space for `world_size` GPUs (ranks fill nodes of
-    cluster.gpus_per_node, whatever cluster.nodes says)."""
+    cluster.gpus_per_node, whatever cluster.nodes says); `margin_bytes` as in `score`."""
     if world_size < 1:
         raise ConfigError("world_size", world_size, "must be >= 1")
     return score(model, cluster, train, enumerate_space(world_size, model), lowrank, software,
-                 coeff)
+                 coeff, margin_bytes)
 
 
 def best_layout(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, world_size: int,

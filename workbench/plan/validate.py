@@ -31,8 +31,8 @@ REQUIRED = ("n_layers", "hidden", "n_heads", "seq_len", "gpu_type", "n_gpus", "t
 # (counted op by op in Software.loss_hbm_bytes_per_logit).
 MEGATRON_LOSS_BYTES = 52.0
 PRED_COLUMNS = ("pred_step_time_s", "pred_tokens_per_s_per_gpu", "pred_tflops_per_gpu",
-                "pred_hw_tflops_per_gpu", "pred_mfu", "pred_peak_mem_gib", "pred_fits",
-                "pred_error")
+                "pred_hw_tflops_per_gpu", "pred_mfu", "pred_peak_mem_gib", "pred_headroom_gib",
+                "pred_fits", "pred_error")
 
 
 def default_csv() -> Path:
@@ -273,6 +273,7 @@ def predict_row(row: dict[str, str], coeff: dict[str, float] | None = None
         "pred_tflops_per_gpu": f"{est.model_flops_per_step / est.step_time_s / n / 1e12:.6g}",
         "pred_hw_tflops_per_gpu": f"{est.hw_flops_per_step / est.step_time_s / n / 1e12:.6g}",
         "pred_mfu": f"{est.mfu:.4f}", "pred_peak_mem_gib": f"{est.peak_mem_bytes / GIB:.4g}",
+        "pred_headroom_gib": f"{est.headroom_bytes / GIB:.4g}",
         "pred_fits": "true" if est.fits else "false"})
     return out
 
