@@ -126,9 +126,11 @@ def test_margin_rejects_exactly_the_layouts_that_leave_too_little_free(tmp_path,
     assert 0 < len(tight) < len(r0.order)
     assert list(r4.order) == [i for i in r0.order if i not in tight]
     assert {r4.reason_of(i) for i in tight} == {UNDER_MARGIN}
-    assert (r4.reason == REASONS.index(NOT_FIT)).sum() == (r0.reason == REASONS.index(NOT_FIT)).sum()
+    not_fit = REASONS.index(NOT_FIT)
+    assert (r4.reason == not_fit).sum() == (r0.reason == not_fit).sum()
     res = optuna_search(cfg.model, cfg.cluster, cfg.train, 8, 12, 0, margin_bytes=margin)
-    assert res.layout is not None and res.layout.key() in {r4.layout(int(i)).key() for i in r4.order}
+    assert res.layout is not None
+    assert res.layout.key() in {r4.layout(int(i)).key() for i in r4.order}
     out_csv = tmp_path / "rank.csv"
     assert plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
                            "train.global_batch=32", "--margin-gib", "4", "--top", "3",

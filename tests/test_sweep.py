@@ -28,6 +28,7 @@ SEEDS = ["+sweep=seeds", "sweep.parallelism=1", "sweep.poll_s=0.5", "train.threa
     (["sweep.space.train.nonsense=[1,2]"], "sweep.space.train.nonsense"),
     (["sweep.space.launcher.nodes=[1,2]"], "sweep.space.launcher.nodes"),
     (["sweep.n_trials=0"], "sweep.n_trials"),
+    (["sweep.mem_margin_gib=-1"], "sweep.mem_margin_gib"),
 ])
 def test_bad_sweep_definition_fails_before_submitting(workdir, capsys, args, key):
     from workbench.run import main
@@ -45,6 +46,24 @@ def test_bad_sweep_is_one_line_exit_2_from_the_shell(workdir):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "accuracy" in lines[0] and "never logged" in lines[0], lines
+
+
+def test_a_memory_margin_rejects_layouts_before_anything_launches(workdir):
+    """`sweep.mem_margin_gib`: a layout predicted to leave less than the margin free is rejected
+    with the numbers in its reason, told to Optuna as pruned, and never launched (here the
+    margin exceeds the CPU cluster's 22.35 GiB, so every layout is)."""
+    space = ["sweep.space.layout.dp_replicate=[1]", "sweep.space.layout.dp_shard=[1]",
+             "sweep.space.layout.tp=[1]", "sweep.space.layout.pp=[1]",
+             "sweep.space.train.micro_batch=[4,8]"]
+    proc = cli("workbench.run", ["+sweep=layout_search", "sweep.mem_margin_gib=23", *space,
+                                 "data.max_bytes=1000000"], workdir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trials = json.loads((workdir / "sweeps/layout_search/trials.json").read_text())
+    assert len(trials) == 2 and all(t["status"] == "rejected" and not t["job_id"]
+                                    and not t["run_dir"] for t in trials.values()), trials
+    assert all(" GiB + 23 GiB margin > 22.35 GiB per device" in t["reason"]
+               and t["pred"]["fits"] == 1.0 for t in trials.values()), trials
+    assert not list((workdir / "sweeps/layout_search").glob("trials/*/job.json"))
 
 
 def _trials(workdir: Path) -> dict:

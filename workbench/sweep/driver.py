@@ -144,8 +144,10 @@ def candidate(sw: Sweep, record: TrialRecord) -> tuple[RunConfig | None, str]:
         est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
         record.pred = {k: float(v) for k, v in est.as_metrics().items()
                        if k in ("tokens_per_s", "step_time_s", "peak_mem_bytes", "fits", "mfu")}
-        if sw.sweep.reject_infeasible and not est.fits:
-            return None, (f"predicted out of memory: {est.peak_mem_bytes / 2**30:.2f} GiB > "
+        margin_gib = sw.sweep.mem_margin_gib
+        if sw.sweep.reject_infeasible and est.headroom_bytes < margin_gib * 2**30:
+            return None, (f"predicted out of memory: {est.peak_mem_bytes / 2**30:.2f} GiB"
+                          f"{f' + {margin_gib:g} GiB margin' if margin_gib else ''} > "
                           f"{est.hbm_bytes / 2**30:.2f} GiB per device")
     except (ImportError, ValueError, ZeroDivisionError) as e:
         record.pred = {}

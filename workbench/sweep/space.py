@@ -43,6 +43,7 @@ class SweepConfig:
     sampler: str = "auto"  # auto: grid when every parameter is a list, else tpe
     seed: int = 0
     reject_infeasible: bool = True  # the cost model's "does not fit" rejects a layout
+    mem_margin_gib: float = 0.0  # ... as does one predicted to leave less than this free
     min_pred_ratio: float = 0.0  # reject layouts predicted slower than this x the best predicted
     resume: bool = False
     detach: bool = False  # submit and return; then `python -m workbench.sweep status|collect`
@@ -86,6 +87,9 @@ def parse_sweep(raw: Mapping[str, Any] | None) -> SweepConfig:
     for key in ("n_trials", "array_size", "parallelism"):
         if getattr(sweep, key) <= 0:
             raise ConfigError(f"sweep.{key}", getattr(sweep, key), "must be > 0")
+    if not (math.isfinite(sweep.mem_margin_gib) and sweep.mem_margin_gib >= 0):
+        raise ConfigError("sweep.mem_margin_gib", sweep.mem_margin_gib,
+                          "a non-negative number of GiB a layout must leave free")
     if sweep.sampler not in SAMPLERS:
         raise ConfigError("sweep.sampler", sweep.sampler, f"must be one of {', '.join(SAMPLERS)}")
     if not sweep.name or "/" in sweep.name:
