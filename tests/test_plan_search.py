@@ -48,6 +48,27 @@ def test_best_layout_world_size_and_error() -> None:
     assert e.value.key == "layout" and e.value.value == "auto"
 
 
+def test_layout_auto_leaves_the_memory_margin_free() -> None:
+    """layout.mem_margin_gib: layout=auto takes the fastest layout predicted to leave that much
+    free, passing over faster ones that fill memory tighter; a margin nothing leaves is the run's
+    one-line error, naming the margin."""
+    from workbench.submit import choose_layout
+
+    c = compose(["launcher=local"])
+    r = rank_layouts(c.model, c.cluster, c.train, 1)
+    head = [(r.hbm_bytes - r.peak_mem_bytes[i]) / 2**30 for i in r.order]
+    assert head[0] < max(head)  # the fastest is not the roomiest: a margin can move the choice
+    margin = (head[0] + max(head)) / 2
+    c.layout.auto, c.layout.mem_margin_gib = True, margin
+    lay = choose_layout(c, 1)
+    want = next(int(i) for i, h in zip(r.order, head) if h >= margin)
+    assert lay.key() == r.layout(want).key() and lay.key() != r.layout(int(r.order[0])).key()
+    c.layout.mem_margin_gib = max(head) + 1
+    with pytest.raises(ConfigError) as e:
+        choose_layout(c, 1)
+    assert "leaves less than the memory margin free" in str(e.value)
+
+
 def test_layout_auto_skips_what_only_other_stacks_run() -> None:
     """GPT-3's vocabulary (50257) admits no tensor parallelism here and its tied embeddings no
     pipeline: the cost model's favourite (tp x pp, as Megatron runs it) is passed over for the

@@ -99,6 +99,7 @@ class LayoutConfig:
 
     name: str = "single"
     auto: bool = False  # ask the planner for the best feasible layout
+    mem_margin_gib: float = 0.0  # auto: GiB the chosen layout must be predicted to leave free
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -372,6 +373,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.hidden", m.hidden,
                           "hidden / n_heads must be even for rotary embeddings")
     _validate_train(cfg.train)
+    if cfg.layout.mem_margin_gib < 0:
+        raise ConfigError("layout.mem_margin_gib", cfg.layout.mem_margin_gib,
+                          "must be >= 0 (GiB layout=auto leaves free beyond its predicted peak)")
     if not 0.0 < cfg.data.val_frac < 0.5:
         raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
     _validate_mixture(cfg.data)

@@ -32,7 +32,8 @@ def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
     if cfg.layout.auto:
         from workbench.plan.search import best_layout
 
-        layout = best_layout(cfg.model, cfg.cluster, cfg.train, world_size, cfg.lowrank)
+        layout = best_layout(cfg.model, cfg.cluster, cfg.train, world_size, cfg.lowrank,
+                             margin_bytes=cfg.layout.mem_margin_gib * 2**30)
     else:
         layout = layouts.resolve(cfg.layout, cfg.train, world_size)
     layouts.validate(layout, cfg.model, world_size)

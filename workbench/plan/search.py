@@ -30,7 +30,7 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 SCHED_V = ((Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED_1F1B, 2),
            (Schedule.INTERLEAVED_1F1B, 3), (Schedule.INTERLEAVED_1F1B, 4))
 NOT_FIT = "does not fit in GPU memory"
-UNDER_MARGIN = "fits, but leaves less than the --margin-gib margin free"
+UNDER_MARGIN = "fits, but leaves less than the memory margin free"
 MEMORY_REASONS = (NOT_FIT, UNDER_MARGIN)
 # rejection reasons: the cost rules' names (rules reported as one share a name), then memory
 REASONS: tuple[str, ...] = ("feasible", *dict.fromkeys(r.name for r in COST_RULES),
@@ -175,11 +175,11 @@ def rank_layouts(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
 
 
 def best_layout(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, world_size: int,
-                lowrank: LowRankConfig | None = None) -> Layout:
-    """The predicted-fastest layout that fits and that this engine runs (for layout=auto: the
-    cost model also ranks layouts other stacks allow, e.g. tp not dividing the vocabulary);
-    ConfigError if there is none."""
-    r = rank_layouts(model, cluster, train, world_size, lowrank)
+                lowrank: LowRankConfig | None = None, margin_bytes: float = 0.0) -> Layout:
+    """The predicted-fastest layout that fits (with `margin_bytes` free) and that this engine
+    runs (for layout=auto: the cost model also ranks layouts other stacks allow, e.g. tp not
+    dividing the vocabulary); ConfigError if there is none."""
+    r = rank_layouts(model, cluster, train, world_size, lowrank, margin_bytes=margin_bytes)
     first = first_broken(model, world_size, {k: v[r.order] for k, v in r.arrays.items()})
     runs = np.flatnonzero(first == 0)
     if len(runs):
