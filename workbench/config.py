@@ -149,6 +149,9 @@ class DataConfig:
     cache_dir: str = ""  # empty: $WORKBENCH_CACHE or ~/.cache/workbench
     max_bytes: int = 8_000_000  # stdlib: bytes of source text to use (per part for sources)
     val_frac: float = 0.05
+    # Which windows a step reads (workbench.data.order): random (uniform starts, with
+    # replacement) | epochs (each non-overlapping window once per epoch, seeded order).
+    order: str = "random"
     # The embedded corpus' tokenizer: bytes (vocab 256) | bpe:N (a byte-level BPE trained on it
     # at first use, cached) | a tokenizer.json. Shards from prepare carry their own.
     tokenizer: str = "bytes"
@@ -248,6 +251,7 @@ CHOICES: Dict[str, List[str]] = {
     "layout.pp_schedule": ["gpipe", "1f1b", "interleaved_1f1b"],
     "train.dtype": ["auto", "fp32", "bf16"],
     "data.name": ["stdlib", "tokens"],
+    "data.order": ["random", "epochs"],
     "lowrank.mode": ["off", "adaptive", "fixed", "powersgd"],
     "lowrank.signal": ["rank", "stable_rank", "energy_rank", "subspace"],
     "launcher.name": ["local", "torchrun", "slurm"],

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 
 from workbench.config import ConfigError, DataConfig
+from workbench.data.order import epoch_starts
 from workbench.data.shards import atomic_write
 from workbench.data.tokens import TokenData, batch_offsets, cache_root, gather, open_corpus
 
@@ -52,12 +53,16 @@ class Mixture:
     def val(self):
         return self.sources[0].val
 
-    def offsets(self, seed: int, split: str, step: int, count: int, seq_len: int) -> np.ndarray:
-        """(count, 2) rows of (source index, start offset), a pure function of (seed, step)."""
+    def offsets(self, seed: int, split: str, step: int, count: int, seq_len: int,
+                order: str = "random") -> np.ndarray:
+        """(count, 2) rows of (source index, start offset), a pure function of (seed, step).
+        Under `epochs` a source's windows follow its own epoch permutation, indexed by the global
+        sequence index: no window of a source repeats until as many sequences as it has windows
+        have been drawn from the whole mixture."""
         if split.startswith("val:"):
             k = int(split[4:])
             starts = batch_offsets(seed + 7919 * k, "val", step, count,
-                                   self.sources[k].val.n_tokens, seq_len)
+                                   self.sources[k].val.n_tokens, seq_len, order)
             return np.stack([np.full(count, k), starts], axis=1)
         w = np.array(self.weights if split == "train" else self.target)
         which = np.random.default_rng([seed, STREAM_SOURCE, step]).choice(len(w), count, p=w)
@@ -70,6 +75,10 @@ class Mixture:
                 if n <= seq_len + 1:
                     raise FileNotFoundError(f"data.sources.{self.names[k]}: {split} has {n} "
                                             f"tokens, fewer than model.seq_len + 1")
+                if order == "epochs":
+                    rows[mine, 1] = epoch_starts(seed, STREAM_OFFSET + 2 * k + (split != "train"),
+                                                 step * count, count, n, seq_len)[mine]
+                    continue
                 rng = np.random.default_rng([seed, STREAM_OFFSET, k, step])
                 rows[mine, 1] = rng.integers(0, n - seq_len - 1, size=count)[:mine.sum()]
         return rows

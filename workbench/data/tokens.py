@@ -19,6 +19,7 @@ import numpy as np
 
 from workbench import places
 from workbench.config import DataConfig
+from workbench.data.order import epoch_starts
 from workbench.data.shards import atomic_write
 from workbench.data.tokenizer import bytes_tokenizer
 
@@ -86,10 +87,11 @@ class TokenData:
     def _arrays(self) -> Dict[str, object]:
         return {"train": self.train.array(), "val": self.val.array()}
 
-    def offsets(self, seed: int, split: str, step: int, count: int, seq_len: int) -> np.ndarray:
+    def offsets(self, seed: int, split: str, step: int, count: int, seq_len: int,
+                order: str = "random") -> np.ndarray:
         """(count, 2) int64 rows of (source, start offset); one source here, index 0."""
         n = self.train.n_tokens if split == "train" else self.val.n_tokens
-        starts = batch_offsets(seed, split, step, count, n, seq_len)
+        starts = batch_offsets(seed, split, step, count, n, seq_len, order)
         return np.stack([np.zeros_like(starts), starts], axis=1)
 
     def gather(self, split: str, rows: np.ndarray, seq_len: int) -> Tuple[np.ndarray,
@@ -170,13 +172,17 @@ def open_corpus(folder: Path) -> TokenData:
 
 
 def batch_offsets(seed: int, split: str, step: int, count: int, n_tokens: int,
-                  seq_len: int) -> np.ndarray:
+                  seq_len: int, order: str = "random") -> np.ndarray:
     """Start offsets of the `count` sequences of one step: a pure function of (seed, step), so
-    resume needs no data-loader state and every layout sees the same global batch."""
+    resume needs no data-loader state and every layout sees the same global batch; `order` as
+    in workbench.data.order (the step's sequences are global indices step*count onwards)."""
     if n_tokens <= seq_len + 1:
         raise FileNotFoundError(f"data: split {split} has {n_tokens} tokens, fewer than "
                                 f"model.seq_len + 1 = {seq_len + 1}")
-    rng = np.random.default_rng([seed, 0 if split == "train" else 1, step])
+    stream = 0 if split == "train" else 1
+    if order == "epochs":
+        return epoch_starts(seed, stream, step * count, count, n_tokens, seq_len)
+    rng = np.random.default_rng([seed, stream, step])
     return rng.integers(0, n_tokens - seq_len - 1, size=count)
 
 

@@ -55,7 +55,7 @@ class LoopContext:
 def micro_batches(ctx: LoopContext, split: str, step: int, count: int) -> List[Batch]:
     """This data-parallel rank's share of the step's global batch, as micro-batches."""
     seq = ctx.cfg.model.seq_len
-    rows = ctx.data.offsets(ctx.cfg.train.seed, split, step, count, seq)
+    rows = ctx.data.offsets(ctx.cfg.train.seed, split, step, count, seq, ctx.cfg.data.order)
     share = count // ctx.engine.dp_size
     mine = rows[ctx.engine.dp_rank * share:(ctx.engine.dp_rank + 1) * share]
     mb = min(ctx.layout.micro_batch, share)
