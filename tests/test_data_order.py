@@ -105,3 +105,8 @@ def test_a_tokens_run_reads_by_epochs(workdir) -> None:
     # functions of (seed, step): test_one_epoch_reads_every_window_once_and_random_does_not)
     job = json.loads((workdir / "r1" / "job.json").read_text())
     assert job["config"]["data"]["order"] == "epochs"
+    # `epochs` counts passes over the training text: 4 steps of 4 x seq_len tokens
+    train_tokens = open_corpus(workdir / "s").train_tokens
+    seq = job["config"]["model"]["seq_len"]
+    assert metric_series(job["run_id"], "epochs") == [
+        (s, pytest.approx((s + 1) * 4 * seq / train_tokens)) for s in range(4)]

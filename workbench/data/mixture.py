@@ -53,6 +53,11 @@ class Mixture:
     def val(self):
         return self.sources[0].val
 
+    @property
+    def train_tokens(self) -> int:
+        """Every source's training tokens together (passes over the mixture's text)."""
+        return sum(s.train.n_tokens for s in self.sources)
+
     def offsets(self, seed: int, split: str, step: int, count: int, seq_len: int,
                 order: str = "random") -> np.ndarray:
         """(count, 2) rows of (source index, start offset), a pure function of (seed, step).

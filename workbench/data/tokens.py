@@ -87,6 +87,11 @@ class TokenData:
     def _arrays(self) -> Dict[str, object]:
         return {"train": self.train.array(), "val": self.val.array()}
 
+    @property
+    def train_tokens(self) -> int:
+        """Tokens of training text: a run's `epochs` metric counts passes over them."""
+        return self.train.n_tokens
+
     def offsets(self, seed: int, split: str, step: int, count: int, seq_len: int,
                 order: str = "random") -> np.ndarray:
         """(count, 2) int64 rows of (source, start offset); one source here, index 0."""

@@ -147,6 +147,7 @@ def train(ctx: LoopContext) -> Dict[str, float]:
             not save_now and ctx.stop_requested is not None and ctx.stop_requested())
         last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time_s,
                 "tokens_per_s": tokens_per_s,
+                "epochs": (step + 1) * tokens_per_step / ctx.data.train_tokens,
                 "mfu": ctx.flops_per_token * tokens_per_s
                 / (ctx.peak_flops_per_device * ctx.world_size),
                 "params/trainable": trainable, **stats}
