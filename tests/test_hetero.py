@@ -117,6 +117,37 @@ def test_a_margin_keeps_every_stage_that_much_below_its_gpus_memory() -> None:
     assert min(r0.mem_frac[dropped]) > min(1 - 8 * GIB / h for h in hbm)
 
 
+def test_explain_on_pools_itemizes_each_stage_and_adds_up(capsys) -> None:
+    """--explain on a mixed cluster: each stage's memory parts sum to the fullest-stage share the
+    ranking printed, the stage times to its step time; --stages picks another placement of the
+    key, and a key or placement the ranking never printed is one line, exit 2."""
+    from workbench.plan.hetero_explain import explain_pools
+
+    cfg = compose(POOLS)
+    r = rank_pools(cfg.model, cfg.cluster, cfg.train)
+    top, second = int(r.order[0]), int(r.order[1])
+    x = explain_pools(cfg.model, cfg.cluster, cfg.train, r.key(top))
+    assert x.rank == 1 and x.stages_text == r.stages(top)
+    assert [s.layers for s in x.stages] == [int(n) for n in r.layers[top] if n > 0]
+    assert max(s.peak_bytes / s.hbm_bytes for s in x.stages) == pytest.approx(r.mem_frac[top])
+    assert all(v >= 0 for s in x.stages for v in s.memory_bytes.values())
+    assert x.pipeline_s + x.tail_s == pytest.approx(x.step_time_s, rel=1e-12)
+    assert x.step_time_s == pytest.approx(float(r.step_time_s[top]), rel=1e-12)
+    same = [i for i in r.order if r.key(int(i)) == r.key(second)]
+    pick = r.stages(int(same[-1]))
+    y = explain_pools(cfg.model, cfg.cluster, cfg.train, r.key(second), pick.replace(" ", ""))
+    assert y.stages_text == pick and y.rank == list(r.order).index(same[-1]) + 1
+    assert plan_main.main(POOLS + ["--explain", r.key(top)]) == 0
+    out = capsys.readouterr().out
+    assert f"layout {r.key(top)} on {r.stages(top)}" in out and "stage 1:" in out
+    for bad in (["--explain", "tp9"], ["--explain", r.key(top), "--stages", "h100:1"],
+                ["--stages", "h100:1"]):
+        with pytest.raises(SystemExit) as e:
+            guarded(plan_main.main)(POOLS + bad)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --"), bad
+
+
 def test_plan_command_prints_stage_pools_and_the_single_pool_best(tmp_path, capsys) -> None:
     out = tmp_path / "rank.csv"
     assert plan_main.main(POOLS + ["--out", str(out), "--top", "3"]) == 0

@@ -75,6 +75,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--optuna", type=int, default=0, help="also run an N-trial Optuna search")
     p.add_argument("--explain", default="", metavar="LAYOUT",
                    help="itemize one layout (a key as the ranking prints it) instead of ranking")
+    p.add_argument("--stages", default="", metavar="TEXT",
+                   help="mixed cluster, with --explain: the placement, as the ranking prints it")
     p.add_argument("--margin-gib", type=float, default=0.0,
                    help="GiB a layout must leave free to count as fitting (ranking, --optuna, "
                         "--explain)")
@@ -85,6 +87,16 @@ def main(argv: list[str]) -> int:
     _check_options(args.top, args.world_size, args.optuna, args.margin_gib)
     cfg = compose(args.overrides)
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    if args.explain and cfg.cluster.pools:  # a mixed cluster: one pipeline over pools
+        from workbench.plan.hetero_explain import explain_pools, render_pools
+
+        print("\n".join(render_pools(explain_pools(
+            cfg.model, cfg.cluster, cfg.train, args.explain, args.stages, cfg.lowrank,
+            args.margin_gib * GIB))))
+        return 0
+    if args.stages:
+        raise ConfigError("--stages", args.stages, "only with --explain on a mixed cluster "
+                                                   "(cluster.pools)")
     if args.explain:
         from workbench.plan.explain import explain, render
 

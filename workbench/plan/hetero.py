@@ -25,7 +25,7 @@ pays the cluster's link between them (workbench.plan.pools).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -126,6 +126,9 @@ class Stages:
     r: np.ndarray  # fixed tail seconds
     hbm: np.ndarray  # memory of the stage's GPUs
     lo: np.ndarray  # least layers (1 on middle stages, 0 on the ends)
+    # u and w by part (MEMORY_PARTS: per layer, then fixed), each (N, S): what --explain prints
+    u_parts: dict[str, np.ndarray] = field(default_factory=dict)
+    w_parts: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def build(costs: list[PoolCosts], pool_idx: np.ndarray, base_idx: np.ndarray,
@@ -150,23 +153,28 @@ def build(costs: list[PoolCosts], pool_idx: np.ndarray, base_idx: np.ndarray,
     pad = np.zeros((n, 1))
     p2p = 2 * np.maximum(np.hstack([pad, bound]), np.hstack([bound, pad]))
     inflight = np.minimum(n_st[:, None] - pos, ga[:, None]).astype(float)
-    frag = np.array([c.frag for c in costs])[pi]
+    grow = 1 + np.array([c.frag for c in costs])[pi]  # the allocator's fragmentation
+    u_parts = {"layer weights, gradients, optimizer": take("layer_state_bytes"),
+               "layer activations in flight": inflight * take("layer_act_bytes") * grow}
     # in a pipeline every stage also holds one boundary activation in and one out (terms.memory)
-    extra = take("buffer_bytes") + np.where(last, take("logits_bytes"), 0.0) \
-        + np.where(n_st[:, None] > 1, 2.0 * take("p2p_bytes"), 0.0)
-    w = np.where(first, take("embed_state_bytes"), 0.0) \
-        + np.where(last, take("head_state_bytes"), 0.0) + extra * (1 + frag) \
-        + np.array([c.fixed_bytes for c in costs])[pi]
+    w_parts = {"embedding state": np.where(first, take("embed_state_bytes"), 0.0),
+               "LM head state": np.where(last, take("head_state_bytes"), 0.0),
+               "buffers: logits + loss": np.where(last, take("logits_bytes"), 0.0) * grow,
+               "buffers: pipeline send/recv":
+                   np.where(n_st[:, None] > 1, 2.0 * take("p2p_bytes"), 0.0) * grow,
+               "buffers: other (gathers, recomputed layer)": take("buffer_bytes") * grow,
+               "fixed (CUDA context, NCCL, cuBLAS)":
+                   np.broadcast_to(np.array([c.fixed_bytes for c in costs])[pi], (n, s))}
+    u_parts = {k: np.where(on, v, 0.0) for k, v in u_parts.items()}
+    w_parts = {k: np.where(on, v, 0.0) for k, v in w_parts.items()}
     ends = (first.astype(float) + last) * take("dp_ends_s")
     return Stages(on=on, c=np.where(on, take("layer_s"), 0.0),
                   e=np.where(on, np.where(last, take("ends_s"), 0.0) + p2p, 0.0),
-                  u=np.where(on, take("layer_state_bytes")
-                             + inflight * take("layer_act_bytes") * (1 + frag), 0.0),
-                  w=np.where(on, w, 0.0), q=np.where(on, take("dp_layer_s")
-                                                     + take("opt_layer_s"), 0.0),
+                  u=sum(u_parts.values()), w=sum(w_parts.values()),
+                  q=np.where(on, take("dp_layer_s") + take("opt_layer_s"), 0.0),
                   r=np.where(on, ends, 0.0),
                   hbm=np.where(on, np.array([c.hbm_bytes for c in costs])[pi], np.inf),
-                  lo=np.where(on & ~first & ~last, 1.0, 0.0))
+                  lo=np.where(on & ~first & ~last, 1.0, 0.0), u_parts=u_parts, w_parts=w_parts)
 
 
 def cross_time(costs: list[PoolCosts], pools: list[Pool], links: dict[tuple[str, str], Link],

@@ -20,7 +20,15 @@ import numpy as np
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.plan.columns import RECOMPUTE, Recompute, Schedule, columns
 from workbench.plan.costmodel import software_for
-from workbench.plan.hetero import PoolCosts, balance, build, cross_time, pool_costs, step
+from workbench.plan.hetero import (
+    PoolCosts,
+    Stages,
+    balance,
+    build,
+    cross_time,
+    pool_costs,
+    step,
+)
 from workbench.plan.pools import Pool, links, pools_of
 from workbench.plan.rules import COST_RULES, first_broken
 from workbench.plan.search import MICRO_BATCHES, NOT_FIT, divisors
@@ -61,6 +69,7 @@ class HeteroRanking:
     mem_frac: np.ndarray  # fullest stage's memory / its GPU's
     reason: list[str]  # "" where feasible
     order: np.ndarray
+    detail: Stages | None = None  # the stage matrices the scores came from (--explain)
 
     def __len__(self) -> int:
         return len(self.base_idx)
@@ -162,7 +171,7 @@ def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     feas = np.flatnonzero(ok)
     order = feas[np.argsort(out["step_time_s"][feas], kind="stable")]
     return HeteroRanking(pools, base, rows, stage_pool, n.astype(int), out["step_time_s"],
-                         tokens, out["mem_frac"], reason, order)
+                         tokens, out["mem_frac"], reason, order, st)
 
 
 def world_of(r: HeteroRanking, i: int) -> int:
