@@ -164,6 +164,35 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, make, extra,
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_a_hub_tokenizer_in_the_local_cache_works_offline(tmp_path, monkeypatch):
+    """A tokenizer named by its hub id loads from the Hugging Face cache without the network (a
+    cluster's compute nodes), the same bytes as the file given by path; one not cached, with the
+    hub unreachable, is one line and exit 2 at once, not ~25 s of logged retries."""
+    meta, out = prepare([str(_jsonl(tmp_path / "c.jsonl", _docs(80))), str(tmp_path / "a"),
+                         "--train-tokenizer", "300"])
+    repo, commit = tmp_path / "hub" / "models--acme--tok", "5f" * 20
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "tokenizer.json").write_bytes(
+        (out / "tokenizer.json").read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # never resolves (RFC 6761)
+    ok = cli("workbench.data.prepare", [str(tmp_path / "c.jsonl"), str(tmp_path / "b"),
+                                        "--tokenizer", "acme/tok"], tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    got = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert got["tokenizer"]["sha256"] == meta["tokenizer"]["sha256"]
+    bad = cli("workbench.data.prepare", [str(tmp_path / "c.jsonl"), str(tmp_path / "d"),
+                                         "--tokenizer", "acme/missing"], tmp_path)
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+    assert "not in the Hugging Face cache" in lines[0] and "hub.invalid" in lines[0]
+    hub = cli("workbench.data.prepare", ["hf:acme/corpus", str(tmp_path / "e")], tmp_path)
+    lines = [ln for ln in hub.stderr.splitlines() if ln.strip()]
+    assert hub.returncode == 2 and len(lines) == 1 and "unreachable" in lines[0], hub.stderr
+
+
 def test_in_process_errors_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="--val-frac"):
         prepare([str(tmp_path), str(tmp_path / "o"), "--val-frac", "0.9"])

@@ -125,6 +125,12 @@ def hub_docs(name: str, config: Optional[str], split: str,
              text_field: str) -> Tuple[Dict[str, Any], Docs]:
     """A Hugging Face dataset, streamed (needs the network); fingerprinted by its identity and
     the revision the hub resolved."""
+    from workbench.data.hub import hub_offline_reason
+
+    offline = hub_offline_reason()  # streaming reads the hub itself: no cache to fall back on
+    if offline:
+        raise InputError(f"src=hf:{name}: streaming needs the hub, which is unreachable: "
+                         f"{offline}")
     datasets = _datasets()
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)

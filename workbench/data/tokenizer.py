@@ -76,14 +76,10 @@ def load(spec: str) -> Tok:
             raise InputError(f"tokenizer={spec!r}: not a text file") from None
     if path.suffix == ".json" or spec.startswith((".", "/")):
         raise InputError(f"tokenizer={spec!r}: no such file")
-    from tokenizers import Tokenizer
+    from workbench.data.hub import cached_or_downloaded
 
-    try:
-        tok = Tokenizer.from_pretrained(spec)
-    except Exception as e:
-        raise InputError(f"tokenizer={spec!r}: not a local file and not loadable from the "
-                         f"hub ({str(e).splitlines()[0][:120]})") from None
-    return from_json(tok.to_str(), spec)
+    return from_json(Path(cached_or_downloaded(spec, "tokenizer.json", "tokenizer")).read_text(),
+                     spec)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, name: str = "") -> Tok:
