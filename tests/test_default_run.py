@@ -46,3 +46,30 @@ def test_missing_inputs_exit_2_with_one_line(workdir):
         assert out.returncode == 2, (module, out.stderr)
         lines = [ln for ln in out.stderr.splitlines() if "INFO" not in ln]
         assert len(lines) == 1 and lines[0].startswith("error:"), (module, out.stderr)
+
+
+def test_a_layout_predicted_not_to_fit_is_refused_and_a_failed_build_is_recorded(workdir):
+    """Llama 3 8B on one CPU process: the cost model predicts ~1.3 TB for 22 GiB, so the run is
+    refused in one line before anything is recorded. Forced (layout.check_memory=false) under
+    an 8 GB address-space limit, building the model fails; the MLflow run says FAILED, not
+    RUNNING forever."""
+    import resource
+    import subprocess
+    import sys
+
+    out = cli("workbench.run", ["model=llama3_8b", "train.steps=1"], workdir)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: layout=") and "predicted peak" in lines[0]
+    assert "layout.check_memory=false" in lines[0]
+    assert not (workdir / "mlflow.db").exists() and not (workdir / "runs").exists()
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    forced = subprocess.run([sys.executable, "-m", "workbench.run", "model=llama3_8b",
+                             "train.steps=1", "layout.check_memory=false"], cwd=workdir,
+                            capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert forced.returncode != 0 and "allocate" in forced.stderr, forced.stderr[-2000:]
+    run = only_run()
+    assert run.info.status == "FAILED" and run.data.params["model.name"] == "llama3_8b"

@@ -99,7 +99,10 @@ class LayoutConfig:
 
     name: str = "single"
     auto: bool = False  # ask the planner for the best feasible layout
-    mem_margin_gib: float = 0.0  # auto: GiB the chosen layout must be predicted to leave free
+    mem_margin_gib: float = 0.0  # GiB a layout must be predicted to leave free (auto: to pick)
+    # A new run whose layout the cost model predicts does not fit in cluster.hbm_bytes (plus
+    # the margin) is refused before anything is recorded; false runs it anyway.
+    check_memory: bool = True
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -379,7 +382,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_train(cfg.train)
     if cfg.layout.mem_margin_gib < 0:
         raise ConfigError("layout.mem_margin_gib", cfg.layout.mem_margin_gib,
-                          "must be >= 0 (GiB layout=auto leaves free beyond its predicted peak)")
+                          "must be >= 0 (GiB a layout must leave free beyond its predicted peak)")
     if not 0.0 < cfg.data.val_frac < 0.5:
         raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
     _validate_mixture(cfg.data)

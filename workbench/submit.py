@@ -75,14 +75,41 @@ def new_run_dir(cfg: RunConfig) -> Path:
     return runs_root() / f"{stamp}-{cfg.model.name}-{secrets.token_hex(3)}"
 
 
+def check_fits(cfg: RunConfig, layout: layouts.Layout) -> None:
+    """Refuse, as bad input, a layout the cost model predicts does not fit (layout.check_memory):
+    on GPUs it would die in its first step after the queue and the start-up, on a CPU it can
+    drive the machine into swap or the OOM killer. Runs over pools are checked per stage by
+    their placement instead; a run the model cannot price is let through."""
+    if not cfg.layout.check_memory or cfg.launcher.stage_pools:
+        return
+    from workbench.plan.costmodel import estimate
+
+    try:
+        est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
+    except (ConfigError, ValueError, ZeroDivisionError):
+        return
+    margin = cfg.layout.mem_margin_gib
+    if est.peak_mem_bytes + margin * 2**30 > est.hbm_bytes:
+        raise ConfigError("layout", layout.key(),
+                          f"predicted peak {est.peak_mem_bytes / 2**30:.1f} GiB per device"
+                          f"{f' + {margin:g} GiB margin' if margin else ''} exceeds "
+                          f"cluster.hbm_bytes ({est.hbm_bytes / 2**30:.1f} GiB, "
+                          f"{cfg.cluster.name}): layout=auto picks one that fits; "
+                          "layout.check_memory=false runs it anyway")
+
+
 def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
                 extra_tags: Optional[Dict[str, str]] = None,
-                parent_run_id: Optional[str] = None) -> Job:
+                parent_run_id: Optional[str] = None, check_memory: bool = False) -> Job:
     """Validate everything, then record the run (params, tags, manifest) and write its job
-    file. Nothing is recorded before the config and layout are known to be valid."""
+    file. Nothing is recorded before the config and layout are known to be valid (and, with
+    `check_memory`, predicted to fit: a new run from the command line; a sweep filters its
+    own trials, a rerun repeats what ran)."""
     data = load_data(cfg.data)
     cfg.model.vocab = resolve_vocab(cfg.model.vocab, data, overrides)  # the tokenizer's size
     layout = choose_layout(cfg, world_size)
+    if check_memory:
+        check_fits(cfg, layout)
     placed = _placement_tags(cfg, layout, world_size)  # before anything is recorded
     run_dir = new_run_dir(cfg).resolve()
     resolved = config_dict(cfg)
@@ -195,4 +222,4 @@ def start(overrides: List[str]) -> Tuple[RunConfig, Job]:
         check_tracking(job.run_config())
         return job.run_config(), job
     check_tracking(cfg)  # the server answers; no sqlite written from several nodes
-    return cfg, prepare_job(cfg, overrides, world_size(cfg.launcher))
+    return cfg, prepare_job(cfg, overrides, world_size(cfg.launcher), check_memory=True)

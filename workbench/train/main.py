@@ -83,23 +83,32 @@ def run_job(job: Job, progress: bool = True,
         dist.destroy_process_group()
 
 
+def _end(tracker) -> None:
+    """Close the run as the exception being handled ends it: KILLED on Ctrl-C, else FAILED."""
+    tracker.close("KILLED" if isinstance(sys.exc_info()[1], KeyboardInterrupt) else "FAILED")
+
+
 def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress: bool,
            stop_requested: Optional[Callable[[], bool]]) -> Dict[str, float]:
-    engine = make_engine(job, cfg, world, counter)
+    try:
+        engine = make_engine(job, cfg, world, counter)
+    except BaseException:  # building the model (out of memory, say) fails the run, as a step
+        if world["rank"] == 0:  # would; rank 0 speaks for ranks that fail alike
+            _end(make_tracker(cfg.tracking, job.run_id, owns_metrics=True))
+        raise
     tracker = make_tracker(cfg.tracking, job.run_id, owns_metrics=engine.is_main)
     bar = _progress(cfg.train.steps) if progress and engine.is_main else None
-    ctx = loop.LoopContext(
-        cfg=cfg, layout=job.the_layout(), engine=engine, data=open_tokens(job.data_dir),
-        tracker=tracker, ckpt=_ckpt(job, world, cfg.train.keep_ckpts),
-        flops_per_token=flops_per_token(cfg.model), peak_flops_per_device=peak_flops(cfg),
-        world_size=job.world_size, on_step=bar.on_step if bar else None,
-        stop_requested=stop_requested,
-        hooks=make_hooks(cfg, engine, tracker, job.run_dir))
     try:
+        ctx = loop.LoopContext(
+            cfg=cfg, layout=job.the_layout(), engine=engine, data=open_tokens(job.data_dir),
+            tracker=tracker, ckpt=_ckpt(job, world, cfg.train.keep_ckpts),
+            flops_per_token=flops_per_token(cfg.model), peak_flops_per_device=peak_flops(cfg),
+            world_size=job.world_size, on_step=bar.on_step if bar else None,
+            stop_requested=stop_requested,
+            hooks=make_hooks(cfg, engine, tracker, job.run_dir))
         last = loop.train(ctx)
     except BaseException:
-        tracker.close("FAILED" if not isinstance(sys.exc_info()[1], KeyboardInterrupt)
-                      else "KILLED")
+        _end(tracker)
         raise
     finally:
         if bar:
