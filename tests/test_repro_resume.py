@@ -145,3 +145,11 @@ def test_a_resumed_run_refuses_overrides_its_job_file_does_not_hold(workdir, cap
     assert len(_runs()) == 1 and len(metric_series(_runs()[0].info.run_id, "loss")) == 12
     assert main(args) == 0  # the same command: resumes (here re-finishes) the run
     assert len(_runs()) == 1
+    # a job file written before keys it lacks existed: a group choice it ran still resumes
+    import json
+
+    old = json.loads(job_before)
+    for key in ("mem_margin_gib", "check_memory"):
+        del old["config"]["layout"][key]
+    (run_dir / "job.json").write_text(json.dumps(old))
+    assert main(args + ["layout=single"]) == 0 and len(_runs()) == 1

@@ -51,7 +51,10 @@ def conflicting_override(job: Job, cfg: RunConfig, overrides: List[str]
     """The first override that asks a run resumed from its job file for something the file does
     not hold, as (key, asked, recorded): dropping it silently would resume what the user did not
     ask for. A group choice (layout=fsdp) is compared over the whole group."""
-    asked_flat, recorded_flat = flat_params(config_dict(cfg)), flat_params(job.config)
+    # the recorded side through the schema: a key newer than the job file reads as its
+    # default, so a group choice (layout=fsdp) still resumes a run written before the key existed
+    asked_flat = flat_params(config_dict(cfg))
+    recorded_flat = flat_params(config_dict(job.run_config()))
     for text in overrides:
         named = text.split("=", 1)[0].lstrip("+~")
         if "=" not in text or named.split(".")[0] in ("sweep", "hydra"):
