@@ -73,3 +73,22 @@ def test_a_layout_predicted_not_to_fit_is_refused_and_a_failed_build_is_recorded
     assert forced.returncode != 0 and "allocate" in forced.stderr, forced.stderr[-2000:]
     run = only_run()
     assert run.info.status == "FAILED" and run.data.params["model.name"] == "llama3_8b"
+
+
+def test_cpu_ranks_on_one_machine_share_its_memory() -> None:
+    """GPT-2 124M under DDP on two CPU ranks: each is predicted ~13 GiB, which fits the host's
+    22.4 GiB alone but not twice over on one machine; two machines, or GPUs, hold one each."""
+    import pytest
+
+    from workbench.cli import compose
+    from workbench.config import ConfigError
+    from workbench.submit import check_fits, choose_layout
+
+    base = ["model=gpt2_124m", "launcher=torchrun", "launcher.nproc_per_node=2", "layout=ddp"]
+    cfg = compose(base)
+    with pytest.raises(ConfigError, match="x 2 ranks on one machine"):
+        check_fits(cfg, choose_layout(cfg, 2))
+    two = compose(base + ["launcher.nodes=2", "launcher.nproc_per_node=1"])
+    check_fits(two, choose_layout(two, 2))
+    gpus = compose(base + ["cluster.device=cuda"])
+    check_fits(gpus, choose_layout(gpus, 2))

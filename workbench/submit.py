@@ -92,9 +92,13 @@ def check_fits(cfg: RunConfig, layout: layouts.Layout) -> None:
     except (ConfigError, ValueError, ZeroDivisionError):
         return
     margin = cfg.layout.mem_margin_gib
-    if est.peak_mem_bytes + margin * 2**30 > est.hbm_bytes:
+    # CPU ranks on one machine share its memory (cluster.hbm_bytes: the host's); a GPU its own
+    sharing = layout.world_size // max(cfg.launcher.nodes, 1) if cfg.cluster.device == "cpu" \
+        else 1
+    if sharing * est.peak_mem_bytes + margin * 2**30 > est.hbm_bytes:
+        per = f" x {sharing} ranks on one machine" if sharing > 1 else " per device"
         raise ConfigError("layout", layout.key(),
-                          f"predicted peak {est.peak_mem_bytes / 2**30:.1f} GiB per device"
+                          f"predicted peak {est.peak_mem_bytes / 2**30:.1f} GiB{per}"
                           f"{f' + {margin:g} GiB margin' if margin else ''} exceeds "
                           f"cluster.hbm_bytes ({est.hbm_bytes / 2**30:.1f} GiB, "
                           f"{cfg.cluster.name}): layout=auto picks one that fits; "
