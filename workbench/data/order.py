@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-ORDERS = ("random", "epochs")
 ROUNDS = 4  # Feistel rounds; 4 with a strong round function is a pseudo-random permutation
 _M64 = (1 << 64) - 1
 EPOCH_TAG = 0xE9  # a 4-word generator seed: never the 3-word (seed, stream, step) of `random`
