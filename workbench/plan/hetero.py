@@ -126,7 +126,7 @@ class Stages:
     r: np.ndarray  # fixed tail seconds
     hbm: np.ndarray  # memory of the stage's GPUs
     lo: np.ndarray  # least layers (1 on middle stages, 0 on the ends)
-    # u and w by part (MEMORY_PARTS: per layer, then fixed), each (N, S): what --explain prints
+    # u and w by part, each (N, S): the per-layer parts sum to u, the fixed ones to w (--explain)
     u_parts: dict[str, np.ndarray] = field(default_factory=dict)
     w_parts: dict[str, np.ndarray] = field(default_factory=dict)
 
