@@ -95,7 +95,7 @@ def check_fits(cfg: RunConfig, layout: layouts.Layout) -> None:
     # CPU ranks on one machine share its memory (cluster.hbm_bytes: the host's); a GPU its own
     sharing = layout.world_size // max(cfg.launcher.nodes, 1) if cfg.cluster.device == "cpu" \
         else 1
-    if sharing * est.peak_mem_bytes + margin * 2**30 > est.hbm_bytes:
+    if not est.fits_with(margin * 2**30, sharing):
         per = f" x {sharing} ranks on one machine" if sharing > 1 else " per device"
         raise ConfigError("layout", layout.key(),
                           f"predicted peak {est.peak_mem_bytes / 2**30:.1f} GiB{per}"

@@ -41,7 +41,12 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_mem_bytes <= self.hbm_bytes
+        return self.fits_with()
+
+    def fits_with(self, margin_bytes: float = 0.0, sharing: int = 1) -> bool:
+        """Whether `sharing` ranks' predicted peaks (CPU ranks share one host's memory) plus the
+        user's margin stay within the memory: the one rule every memory check applies."""
+        return sharing * self.peak_mem_bytes + margin_bytes <= self.hbm_bytes
 
     @property
     def headroom_bytes(self) -> float:

@@ -145,7 +145,7 @@ def candidate(sw: Sweep, record: TrialRecord) -> tuple[RunConfig | None, str]:
         record.pred = {k: float(v) for k, v in est.as_metrics().items()
                        if k in ("tokens_per_s", "step_time_s", "peak_mem_bytes", "fits", "mfu")}
         margin_gib = sw.sweep.mem_margin_gib
-        if sw.sweep.reject_infeasible and est.headroom_bytes < margin_gib * 2**30:
+        if sw.sweep.reject_infeasible and not est.fits_with(margin_gib * 2**30):
             return None, (f"predicted out of memory: {est.peak_mem_bytes / 2**30:.2f} GiB"
                           f"{f' + {margin_gib:g} GiB margin' if margin_gib else ''} > "
                           f"{est.hbm_bytes / 2**30:.2f} GiB per device")
