@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 from conftest import REPO
 
 README = REPO / "README.md"
-TAGS = {"install", "ci", "slurm", "gpu", "network", "slow"}
+TAGS = {"install", "ci", "slurm", "gpu", "network", "slow", "steps"}
 RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1",
              "train.eval_batches=1"]
 # 4 sequences a step unless the command sets the batch (gpt_small's 16 x 256 tokens cost ~7 s a
@@ -106,9 +106,11 @@ def _commands(body: list[str]) -> list[str]:
     return cmds
 
 
-def scaled(cmd: str, extra: List[str] = ()) -> str:
+def scaled(cmd: str, extra: List[str] = (), own_steps: bool = False) -> str:
     """The command at CPU scale (a `workbench.run` command then takes `extra` overrides, which
-    win over the standard small ones); a trailing comment is dropped."""
+    win over the standard small ones; with `own_steps`, a block tagged `steps`, it keeps the
+    `train.steps` it sets, since its later commands use the checkpoints of its earlier ones); a
+    trailing comment is dropped."""
     if "\n" in cmd:  # a here-document runs as written
         return cmd
     words = shlex.split(cmd, comments=True)
@@ -120,7 +122,9 @@ def scaled(cmd: str, extra: List[str] = ()) -> str:
         if not sweep and not any(
                 w.startswith(("train.global_batch", "train.micro_batch")) for w in words):
             small = small + RUN_BATCH  # a command that sets the batch keeps it
-        small = [w for w in small if w.split("=")[0] not in {e.split("=")[0] for e in extra}]
+        own = {w.split("=")[0] for w in words} & {"train.steps"} if own_steps else set()
+        small = [w for w in small
+                 if w.split("=")[0] not in {e.split("=")[0] for e in extra} | own]
         small = small + list(extra)
         keys = {s.split("=")[0] for s in small}
         words = [w for w in words if w.split("=")[0] not in keys] + small
@@ -150,6 +154,7 @@ CLAIMED: Dict[str, str] = {
     "python -m workbench.run launcher=torchrun launcher.nproc_per_node=2 layout=ddp":
         "tests/test_parallel_cli.py",
     "python benchmarks/costmodel_accuracy.py --interconnect": "tests/test_costmodel_twins.py",
+    "python -m workbench.run train.run_dir=runs/stable": "tests/test_branch.py",
 }
 
 
@@ -169,7 +174,7 @@ def script_commands(block: Block, extra: List[str] = ()) -> List[str]:
     """What the block runs at CPU scale, in order."""
     if "install" in block.tags:
         return [_install_tail(c) for c in block.commands]
-    return [scaled(c, extra) for c in block.commands]
+    return [scaled(c, extra, "steps" in block.tags) for c in block.commands]
 
 
 def covered_by(block: Block) -> Optional[Block]:

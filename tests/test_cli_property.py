@@ -25,7 +25,8 @@ SIZES = {
     "model.family": st.sampled_from(["llama", "gpt2", "bert"]),
 }
 ANY_KEYS = ["model.n_heads", "train.seed", "train.dtype", "launcher.name", "tracking.backend",
-            "nope.key", "model.nokey", "model", "layout", "cluster", "train.grad_clip"]
+            "nope.key", "model.nokey", "model", "layout", "cluster", "train.grad_clip",
+            "train.lr_schedule", "train.decay_steps", "train.init_from", "train.init_state"]
 
 
 def _override(key: str, value) -> str:

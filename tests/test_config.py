@@ -111,7 +111,7 @@ def test_every_number_past_what_torch_takes_is_named():
     import copy
     import dataclasses
 
-    from workbench.config import validate
+    from workbench.config_rules import validate
 
     base = compose([])
     checked = 0

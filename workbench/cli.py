@@ -14,7 +14,8 @@ from typing import Callable, List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from workbench.config import CONF_DIR, ConfigError, RunConfig, register, validate
+from workbench.config import CONF_DIR, ConfigError, RunConfig, register
+from workbench.config_rules import validate
 from workbench.places import show_traceback
 
 EXIT_BAD_INPUT = 2

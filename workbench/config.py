@@ -2,13 +2,13 @@
 
 The YAML files under conf/ hold values only; these dataclasses are the schema they are merged
 onto, so an unknown key or a wrong type fails at composition time instead of deep in training.
-`validate()` adds the cross-field rules that a type cannot express (heads divide hidden, ...).
+`workbench.config_rules.validate()` adds the rules a type cannot express (heads divide hidden,
+ranges, ...).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -128,6 +128,8 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
+    lr_schedule: str = "cosine"  # cosine | wsd (warm-up, stable, decay) | constant
+    decay_steps: int = 0  # wsd: the last steps, decaying 1-sqrt to the floor; 0 = 20% of steps
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -142,6 +144,10 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16
     compile: bool = False
     run_dir: str = ""  # empty: runs/<timestamp>-<id>; an existing run dir resumes it
+    # Start from another run's checkpoint (workbench.train.branch): its run folder (the newest
+    # whole checkpoint) or one checkpoint; recorded resolved to that checkpoint.
+    init_from: str = ""
+    init_state: str = "all"  # all: weights, optimizer and step (continue) | weights: weights only
     threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
@@ -253,6 +259,8 @@ CHOICES: Dict[str, List[str]] = {
     "layout.recompute": ["none", "selective", "selective_op", "full"],
     "layout.pp_schedule": ["gpipe", "1f1b", "interleaved_1f1b"],
     "train.dtype": ["auto", "fp32", "bf16"],
+    "train.lr_schedule": ["cosine", "wsd", "constant"],
+    "train.init_state": ["all", "weights"],
     "data.name": ["stdlib", "tokens"],
     "data.order": ["random", "epochs"],
     "lowrank.mode": ["off", "adaptive", "fixed", "powersgd"],
@@ -275,120 +283,3 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
-
-
-def _positive(cfg: RunConfig, keys: List[str]) -> None:
-    for key in keys:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if not value > 0:
-            raise ConfigError(key, value, "must be > 0")
-
-
-def _representable(cfg: RunConfig) -> None:
-    """Every number of every section is one torch and numpy take: an integer within int64, a
-    float finite. Past that (1e20 layers, a NaN learning rate, an infinite norm epsilon) a run
-    would hang building the model, overflow in a C call or train to a NaN loss."""
-    for section in fields(cfg):
-        sub = getattr(cfg, section.name)
-        for f in fields(sub) if is_dataclass(sub) else ():
-            value, key = getattr(sub, f.name), f"{section.name}.{f.name}"
-            if isinstance(value, int) and not -2**63 <= value < 2**63:
-                raise ConfigError(key, value, "must be an integer in [-2**63, 2**63)")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(key, value, "must be a finite number")
-
-
-def _validate_train(t: TrainConfig) -> None:
-    """The optimizer's and loop's numbers, each naming its key and range when out of it."""
-    rules = [("seed", 0 <= t.seed < 2**63, "must be an integer in [0, 2**63)"),
-             ("micro_batch", t.micro_batch >= 0,
-              "must be >= 0 (0 = as large as the global batch allows per dp rank)"),
-             ("warmup_steps", t.warmup_steps >= 0, "must be >= 0"),
-             ("min_lr_ratio", 0.0 <= t.min_lr_ratio <= 1.0, "must be in [0, 1]"),
-             ("beta1", 0.0 <= t.beta1 < 1.0, "must be in [0, 1) (AdamW)"),
-             ("beta2", 0.0 <= t.beta2 < 1.0, "must be in [0, 1) (AdamW)"),
-             ("weight_decay", t.weight_decay >= 0, "must be >= 0"),
-             ("grad_clip", t.grad_clip >= 0, "must be >= 0 (0 disables clipping)"),
-             ("threads", 0 <= t.threads < 2**31, "must be in [0, 2**31) (0 = torch default)")]
-    for key, ok, valid in rules:
-        if not ok:
-            raise ConfigError(f"train.{key}", getattr(t, key), valid)
-
-
-def _validate_mixture(d: DataConfig) -> None:
-    """Weights name sources and sum to a positive number (a mixture must draw something)."""
-    for key in ("weights", "target"):
-        weights = getattr(d, key)
-        for name, w in weights.items():
-            if name not in d.sources:
-                raise ConfigError(f"data.{key}.{name}", w,
-                                  f"names no source; sources: {', '.join(d.sources) or 'none'}")
-            if not w >= 0 or w == float("inf"):
-                raise ConfigError(f"data.{key}.{name}", w, "must be a finite number >= 0")
-        if weights and not sum(weights.values()) > 0:
-            raise ConfigError(f"data.{key}", dict(weights), "must sum to a positive number")
-    for name, path in d.sources.items():
-        if not path:
-            raise ConfigError(f"data.sources.{name}", path,
-                              "a folder made by python -m workbench.data.prepare or stdlib:PART")
-
-
-def _validate_lowrank(lr: LowRankConfig) -> None:
-    """The switch criterion's numbers: each names its key and range when out of it."""
-    rules = [("check_every", lr.check_every > 0, "must be > 0 (steps between checks)"),
-             ("threshold", lr.threshold > 0, "must be > 0 (% of full rank per 1% of training)"),
-             ("smooth_pct", lr.smooth_pct > 0, "must be > 0 (% of training)"),
-             ("window_pct", 0 <= lr.window_pct <= 100, "must be in [0, 100] (% of training)"),
-             ("straggler_frac", 0 <= lr.straggler_frac < 1, "must be in [0, 1)"),
-             ("straggler_relax", lr.straggler_relax >= 1, "must be >= 1"),
-             ("energy", 0 < lr.energy <= 1, "must be in (0, 1]"),
-             ("target_reduction", 0 <= lr.target_reduction < 1,
-              "must be in [0, 1) (share of full rank's bytes per step saved; 0: off)"),
-             ("min_switch_frac", 0 <= lr.min_switch_frac <= 1, "must be in [0, 1]"),
-             ("max_switch_frac", lr.min_switch_frac <= lr.max_switch_frac <= 1,
-              f"must be in [lowrank.min_switch_frac={lr.min_switch_frac}, 1]")]
-    for key, ok, valid in rules:
-        if not ok:
-            raise ConfigError(f"lowrank.{key}", getattr(lr, key), valid)
-
-
-def validate(cfg: RunConfig) -> None:
-    """Cross-field rules of a run config; raises ConfigError naming the first bad key."""
-    for key, valid in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in valid:
-            raise ConfigError(key, value, f"must be one of {', '.join(valid)}")
-    m = cfg.model
-    _representable(cfg)
-    _positive(cfg, ["model.n_layers", "model.hidden", "model.n_heads", "model.n_kv_heads",
-                    "model.ffn_hidden", "model.vocab", "model.seq_len", "model.norm_eps",
-                    "model.rope_theta", "train.steps", "train.global_batch", "train.lr",
-                    "train.eval_every", "train.eval_batches", "train.ckpt_every",
-                    "train.keep_ckpts", "train.log_every", "data.max_bytes", "cluster.nodes",
-                    "cluster.gpus_per_node", "cluster.peak_bf16_flops", "cluster.peak_fp32_flops",
-                    "cluster.hbm_bytes", "cluster.hbm_bw_bytes_per_s", "cluster.intra_node_gbps",
-                    "cluster.inter_node_gbps"])
-    if m.hidden % m.n_heads:
-        raise ConfigError("model.n_heads", m.n_heads,
-                          f"must divide model.hidden={m.hidden}")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError("model.n_kv_heads", m.n_kv_heads,
-                          f"must divide model.n_heads={m.n_heads}")
-    if m.family == "llama" and (m.hidden // m.n_heads) % 2:
-        raise ConfigError("model.hidden", m.hidden,
-                          "hidden / n_heads must be even for rotary embeddings")
-    _validate_train(cfg.train)
-    if cfg.layout.mem_margin_gib < 0:
-        raise ConfigError("layout.mem_margin_gib", cfg.layout.mem_margin_gib,
-                          "must be >= 0 (GiB a layout must leave free beyond its predicted peak)")
-    if not 0.0 < cfg.data.val_frac < 0.5:
-        raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
-    _validate_mixture(cfg.data)
-    _validate_lowrank(cfg.lowrank)
-    if cfg.data.name == "tokens" and not cfg.data.path and not cfg.data.sources:
-        raise ConfigError("data.path", cfg.data.path,
-                          "data=tokens needs a folder made by python -m workbench.data.prepare")
-    if cfg.launcher.nproc_per_node <= 0 or cfg.launcher.nodes <= 0:
-        raise ConfigError("launcher.nproc_per_node", cfg.launcher.nproc_per_node, "must be > 0")

@@ -25,6 +25,7 @@ from workbench.launch import make_launcher, threads_per_rank, world_size
 from workbench.places import runs_root
 from workbench.track import manifest as manifests
 from workbench.track.tracker import create_run, record_prepared
+from workbench.train import branch
 
 
 def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
@@ -64,11 +65,22 @@ def conflicting_override(job: Job, cfg: RunConfig, overrides: List[str]
                 continue
             if key == "train.run_dir" or (key in FILLED_IN and (key != named or asked in (0, ""))):
                 continue
+            if key == "train.init_from" and _names(asked, recorded_flat.get(key)):
+                continue
             # through JSON, as the job file was written: tuples compare as its lists
             asked, recorded = json.loads(json.dumps([asked, recorded_flat.get(key)]))
             if asked != recorded:
                 return key, asked, recorded
     return None
+
+
+def _names(asked: str, recorded: str) -> bool:
+    """`train.init_from` as asked names the checkpoint the job file recorded: that checkpoint,
+    or the run folder it was found in (whose newest checkpoint may have moved on since)."""
+    if not asked or not recorded:
+        return asked == recorded
+    here = Path(asked).expanduser().resolve()
+    return here == Path(recorded) or here in Path(recorded).parents
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
@@ -118,9 +130,17 @@ def prepare_job(cfg: RunConfig, overrides: List[str], world_size: int,
     if check_memory:
         check_fits(cfg, layout)
     placed = _placement_tags(cfg, layout, world_size)  # before anything is recorded
+    init = branch.find(cfg.train.init_from) if cfg.train.init_from else None
+    if init is not None:
+        branch.check(init, cfg)
+        placed |= init.tags()
     run_dir = new_run_dir(cfg).resolve()
     resolved = config_dict(cfg)
     resolved["train"]["run_dir"] = str(run_dir)
+    if init is not None:  # one checkpoint, whatever the parent run writes from now on
+        resolved["train"]["init_from"] = str(init.checkpoint)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        branch.prepare(init, run_dir)
     resolved["train"]["micro_batch"] = layout.micro_batch  # 0 (auto) is logged as resolved
     resolved["train"]["threads"] = threads_per_rank(cfg.launcher, cfg.train.threads)  # likewise
     config_yaml = to_yaml(resolved)

@@ -19,6 +19,7 @@ from workbench.config import RunConfig
 from workbench.data.corpus import TokenData
 from workbench.layout import Layout
 from workbench.track.tracker import Tracker
+from workbench.train import branch
 from workbench.train.checkpoint.whole import CheckpointDir, rng_state, set_rng_state
 from workbench.train.engine import Batch, Engine
 from workbench.train.hooks import LoopHooks
@@ -50,6 +51,7 @@ class LoopContext:
     # What a feature adds to the loop (low-rank training: workbench.lowrank.controller); the
     # defaults do nothing.
     hooks: LoopHooks = field(default_factory=LoopHooks)
+    run_dir: str = ""  # the run's folder (where a converted train.init_from checkpoint lies)
 
 
 def micro_batches(ctx: LoopContext, split: str, step: int, count: int) -> List[Batch]:
@@ -79,13 +81,14 @@ def evaluate(ctx: LoopContext) -> Dict[str, float]:
 
 
 def resume(ctx: LoopContext, optimizer: torch.optim.Optimizer) -> int:
-    """Restore model, optimizer, RNG and data position from the newest whole checkpoint; returns
-    the first step to run."""
+    """Restore model, optimizer, RNG and data position from the newest whole checkpoint (or,
+    before the run's first, from `train.init_from`); returns the first step to run."""
     # A sharded checkpoint loads in place, into the shapes of this layout: hence the template.
     found = ctx.ckpt.load_latest(template=lambda: {
         "model": ctx.engine.state_dict(), "optimizer": ctx.engine.optim_state_dict(optimizer)})
-    if found is None:
-        return 0
+    if found is None:  # a new run: from scratch, or from another run's checkpoint
+        init = ctx.cfg.train.init_from
+        return branch.load(ctx.engine, optimizer, ctx.cfg, ctx.run_dir) if init else 0
     step, state = found
     ctx.engine.load_state_dict(state["model"])
     ctx.engine.load_optim_state_dict(optimizer, state["optimizer"])

@@ -105,7 +105,7 @@ def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress:
             flops_per_token=flops_per_token(cfg.model), peak_flops_per_device=peak_flops(cfg),
             world_size=job.world_size, on_step=bar.on_step if bar else None,
             stop_requested=stop_requested,
-            hooks=make_hooks(cfg, engine, tracker, job.run_dir))
+            hooks=make_hooks(cfg, engine, tracker, job.run_dir), run_dir=job.run_dir)
         last = loop.train(ctx)
     except BaseException:
         _end(tracker)

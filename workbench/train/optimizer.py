@@ -7,17 +7,39 @@ from typing import Collection, List
 
 import torch
 
-from workbench.config import RunConfig
+from workbench.config import RunConfig, TrainConfig
+
+
+def decay_steps(t: TrainConfig) -> int:
+    """The steps of a `wsd` schedule's final decay: as set, or 20% of the run, the share at
+    which Hägele et al. (2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training
+    Durations", Fig. 4) find a 1-sqrt cool-down matches a cosine schedule of the same length."""
+    return t.decay_steps or max(1, round(0.2 * t.steps))
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step."""
+    """Linear warm-up, then `train.lr_schedule`:
+
+    - cosine: decay to min_lr_ratio * lr at the last step;
+    - wsd (warm-up, stable, decay): lr until the last `decay_steps`, then a 1-sqrt decay to the
+      floor. The stable phase does not depend on the run's length, so a constant-rate run can be
+      continued, or branched off into cool-downs (`train.init_from`), at any of its checkpoints;
+    - constant: lr after the warm-up (a long run to branch cool-downs from).
+    """
     t = cfg.train
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
+    floor = t.lr * t.min_lr_ratio
+    if t.lr_schedule == "constant":
+        return t.lr
+    if t.lr_schedule == "wsd":
+        start = t.steps - decay_steps(t)
+        if step < start:
+            return t.lr
+        progress = min(1.0, (step - start + 1) / (t.steps - start))
+        return floor + (t.lr - floor) * (1.0 - math.sqrt(progress))
     span = max(1, t.steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
-    floor = t.lr * t.min_lr_ratio
     return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
 
 

@@ -6,6 +6,7 @@ training loop never asks how the model is laid out.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Dict, List, Tuple
 
@@ -15,6 +16,16 @@ from torch import nn
 from workbench.train.engine import Batch, autocast, local_peak_mem_bytes
 from workbench.train.model import cross_entropy
 from workbench.train.parallel.recompute import apply_block_steps
+
+
+def named_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer's state keyed by parameter name, as multi-rank engines keep theirs: what
+    a run started from this one loads in any layout (workbench.train.branch)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with warnings.catch_warnings():  # one process, no process group: as meant
+        warnings.simplefilter("ignore")
+        return get_optimizer_state_dict(model, optimizer)
 
 
 class LocalEngine:
@@ -71,6 +82,17 @@ class LocalEngine:
     def load_optim_state_dict(self, optimizer: torch.optim.Optimizer,
                               state: Dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+    def named_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        return named_optim_state(self.model, optimizer)
+
+    def load_named_optim_state_dict(self, optimizer: torch.optim.Optimizer,
+                                    state: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        with warnings.catch_warnings():  # one process, no process group: as meant
+            warnings.simplefilter("ignore")
+            set_optimizer_state_dict(self.model, optimizer, state)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}

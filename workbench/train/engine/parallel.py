@@ -247,6 +247,10 @@ class ParallelEngine:
             for key, value in own.items():
                 group.setdefault(key, value)
 
+    # Already keyed by name (what a run started from this one loads: workbench.train.branch).
+    named_optim_state_dict = optim_state_dict
+    load_named_optim_state_dict = load_optim_state_dict
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         with self.uncounted():
             full = get_model_state_dict(self.view,

@@ -1,0 +1,157 @@
+"""Long runs: learning-rate schedules that can be continued (wsd, constant), and runs started from
+another run's checkpoint (`train.init_from`): a continued run repeats its parent's losses bitwise,
+a cool-down branched off a checkpoint starts from its weights, a checkpoint loads into another
+layout and world size in both directions, lineage is recorded, and bad input exits 2 with one
+line recording nothing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from conftest import FAST, metric_series
+from readme_blocks import block_with, make_clone, run_block
+
+from workbench.config import RunConfig
+from workbench.run import main
+from workbench.train.optimizer import lr_at
+
+CONSTANT = [o for o in FAST if not o.startswith("train.steps")] + [
+    "train.lr_schedule=constant", "train.keep_ckpts=3"]
+
+
+def _cfg(**train) -> RunConfig:
+    cfg = RunConfig()
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def test_wsd_is_stable_then_decays_1_sqrt_to_the_floor_and_constant_stays():
+    cfg = _cfg(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, lr_schedule="wsd",
+               decay_steps=20)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert lrs[:10] == [pytest.approx((s + 1) / 10) for s in range(10)]
+    assert lrs[10:80] == [1.0] * 70
+    assert lrs[80] == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(1 / 20)))
+    assert lrs[89] == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(10 / 20)))
+    assert lrs[99] == pytest.approx(0.1) and all(a > b for a, b in zip(lrs[80:], lrs[81:]))
+    cfg.train.decay_steps = 0  # 20% of the steps
+    assert [lr_at(s, cfg) for s in (79, 80)] == [1.0, pytest.approx(0.1 + 0.9 * (1 - 0.05**.5))]
+    cfg.train.lr_schedule = "constant"
+    assert {lr_at(s, cfg) for s in range(10, 100)} == {1.0}
+    cfg.train.lr_schedule = "cosine"  # unchanged: the floor is reached after the last step
+    assert lr_at(10, cfg) == 1.0 and lr_at(55, cfg) == pytest.approx(0.55)
+
+
+def _runs():
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("workbench")
+    runs = client.search_runs([exp.experiment_id])
+    return {Path(r.data.tags["wb.run_dir"]).name: r for r in runs}
+
+
+def test_a_continued_run_repeats_its_parents_losses_and_resumes_as_itself(workdir, capsys):
+    assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/parent"]) == 0
+    child = ["train.steps=12", "train.run_dir=runs/child", "train.init_from=runs/parent/"
+             "checkpoints/step_00000006.pt"]
+    assert main(CONSTANT + child) == 0
+    runs = _runs()
+    parent, kid = runs["parent"].info.run_id, runs["child"]
+    assert kid.data.params["train.init_from"] == str(
+        workdir / "runs/parent/checkpoints/step_00000006.pt")
+    assert (kid.data.tags["wb.init_step"], kid.data.tags["wb.parent_run_id"]) == ("6", parent)
+    theirs = metric_series(parent, "loss")
+    assert metric_series(kid.info.run_id, "loss") == theirs[6:]  # bitwise, steps 6..11
+    assert metric_series(kid.info.run_id, "val_loss")[-1] == metric_series(parent, "val_loss")[-1]
+    # The same command again resumes the child from its own checkpoint; naming the parent's
+    # folder is naming the checkpoint it was found in; another checkpoint is another run.
+    again = child[:2] + ["train.init_from=runs/parent"]
+    assert main(CONSTANT + again) == 0
+    assert "resuming run in" in capsys.readouterr().err and len(_runs()) == 2
+    with pytest.raises(SystemExit) as e:
+        main(CONSTANT + child[:2] + ["train.init_from=runs/parent/checkpoints/"
+                                     "step_00000012.pt"])
+    assert e.value.code == 2 and "train.init_from" in capsys.readouterr().err
+    # weights only: step 0, the warm-up again, from trained weights (a lower first loss)
+    assert main(CONSTANT + ["train.steps=4", "train.run_dir=runs/w", "train.init_state=weights",
+                            "train.init_from=runs/parent"]) == 0
+    w = metric_series(_runs()["w"].info.run_id, "loss")
+    assert [s for s, _ in w] == [0, 1, 2, 3] and w[0][1] < theirs[0][1] - 0.5
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["train.init_from=runs/none"], "train.init_from"),
+    (["train.init_from=runs/parent", "model.n_layers=2"], "model.n_layers"),
+    (["train.init_from=runs/parent", "train.steps=12"], "train.steps"),
+    (["train.init_from=runs/parent", "train.steps=20", "lowrank=adaptive"], "lowrank.mode"),
+    (["train.init_from=runs/parent/checkpoints/step_00000012.json"], "train.init_from"),
+    (["train.decay_steps=5"], "train.decay_steps"),  # only a wsd schedule decays over steps
+    (["train.lr_schedule=wsd", "train.steps=12", "train.decay_steps=10"], "train.decay_steps"),
+    (["train.lr_schedule=linear"], "train.lr_schedule"),
+])
+def test_bad_input_exits_2_with_one_line_and_records_nothing(workdir, capsys, extra, key):
+    assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/parent"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(CONSTANT + ["train.run_dir=runs/bad"] + extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {key}"), err
+    assert not (workdir / "runs/bad").exists() and list(_runs()) == ["parent"]
+
+
+def test_an_interrupted_checkpoint_is_not_started_from(workdir, capsys):
+    assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/parent"]) == 0
+    (workdir / "runs/parent/checkpoints/step_00000012.json").unlink()  # killed mid-write
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(CONSTANT + ["train.run_dir=runs/bad", "train.init_from=runs/parent/checkpoints/"
+                         "step_00000012.pt", "train.steps=20"])
+    assert "writing finished" in capsys.readouterr().err
+    # the folder means its newest complete checkpoint: step 6
+    assert main(CONSTANT + ["train.run_dir=runs/b", "train.init_from=runs/parent",
+                            "train.steps=8"]) == 0
+    assert _runs()["b"].data.tags["wb.init_step"] == "6"
+
+
+README_BLOCK = "python -m workbench.run train.run_dir=runs/stable"
+
+
+@pytest.mark.slow
+def test_the_readme_long_run_block_branches_and_continues_in_another_layout(workdir,
+                                                                             monkeypatch):
+    """The README's block (test_readme leaves it to this test): a constant-rate run, a wsd
+    cool-down off its step-80 checkpoint, and the run continued past its end on 2 FSDP ranks;
+    then that run's sharded checkpoint continued in one process."""
+    clone = make_clone(workdir)
+    block = block_with(README_BLOCK)
+    proc = run_block(block, clone)
+    assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{clone / 'mlflow.db'}")
+    more = ["train.run_dir=runs/one", "train.lr_schedule=constant", "train.steps=164",
+            "train.init_from=runs/stable-more", "train.eval_every=2", "train.warmup_steps=1",
+            "train.eval_batches=1", "data.max_bytes=1000000", "train.global_batch=4"]
+    assert main(more) == 0
+    runs = _runs()
+    assert all(r.info.status == "FINISHED" for r in runs.values())
+    stable, cool, wider, one = (runs[k].info.run_id for k in ("stable", "cool80", "stable-more",
+                                                              "one"))
+    # the cool-down: its first forward is on the parent's step-80 weights and batch; its rate
+    # decays 1-sqrt to the floor over steps 80..99
+    assert metric_series(cool, "loss")[0] == metric_series(stable, "loss")[80]
+    lrs = [v for _, v in metric_series(cool, "lr")]
+    assert lrs[-1] == pytest.approx(3e-4) and lrs[0] < 3e-3 and sorted(lrs, reverse=True) == lrs
+    # 2 FSDP ranks from one process' checkpoint: the same weights (val_loss at step 120)
+    assert runs["stable-more"].data.params["world_size"] == "2"
+    assert runs["stable-more"].data.tags["wb.parent_run_id"] == stable
+    assert metric_series(wider, "val_loss")[0] == (120, pytest.approx(
+        metric_series(stable, "val_loss")[-1][1], rel=1e-5))
+    # one process from the 2 ranks' sharded checkpoint, at step 160
+    assert runs["one"].data.tags["wb.init_step"] == "160"
+    assert "dps2" in runs["one"].data.params["train.init_from"]
+    assert metric_series(one, "val_loss")[0] == (160, pytest.approx(
+        metric_series(wider, "val_loss")[-1][1], rel=1e-5))
