@@ -6,6 +6,7 @@ line recording nothing."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -155,3 +156,9 @@ def test_the_readme_long_run_block_branches_and_continues_in_another_layout(work
     assert "dps2" in runs["one"].data.params["train.init_from"]
     assert metric_series(one, "val_loss")[0] == (160, pytest.approx(
         metric_series(wider, "val_loss")[-1][1], rel=1e-5))
+    # the block's report tells the branches apart by what differs, and where each started
+    rows = json.loads((clone / "reports/branches/summary.json").read_text())
+    assert [r["run_id"] for r in rows] == [stable, cool, wider]
+    labels = [r["run"] for r in rows]
+    assert len(set(labels)) == 3 and "from step 80" in labels[1], labels
+    assert "lr_schedule=wsd" in labels[1] and "steps=100" in labels[1], labels

@@ -4,9 +4,10 @@ measured bytes per step, final val_loss gaps to a baseline, the low-rank switch 
 ranks. Plots are PNG, tables markdown and HTML; with --parent (or a sweep) they are logged as
 artifacts of that run, so the comparison sits beside the runs in the MLflow UI.
 
-An argument is a run id, a parent run id (its child runs), or a sweep (a name under sweeps/ or
-a folder holding trials.json). Runs are labelled by their `lowrank.mode` param; the baseline
-for gaps is the `off` run when there is one, else the first.
+An argument is a run id, a parent run id (its child runs), a run folder (its run), or a sweep
+(a name under sweeps/ or a folder holding trials.json). Runs are labelled by their
+`lowrank.mode` param, and by the params that differ between them when modes repeat; the
+baseline for gaps is the first run with `lowrank.mode=off`, else the first.
 """
 
 from __future__ import annotations
@@ -78,11 +79,17 @@ def client(uri: str | None = None):
 
 
 def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[str]:
-    """Run ids for the arguments: sweeps (trials.json), parents (their children), runs."""
+    """Run ids for the arguments: sweeps (trials.json), parents (their children), runs, and run
+    folders (the run their job file names: a user who branched runs knows their folders)."""
     from mlflow.exceptions import MlflowException
+
+    from workbench.job import JOB_NAME, Job
 
     out: list[str] = []
     for arg in args:
+        if (Path(arg) / JOB_NAME).is_file() and Job.load(arg).run_id:
+            out.append(Job.load(arg).run_id)
+            continue
         folder = Path(arg) if Path(arg).is_dir() else Path(sweeps_dir) / arg
         if (folder / "trials.json").exists():
             trials = json.loads((folder / "trials.json").read_text())
@@ -103,25 +110,52 @@ def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[s
 
 
 def load(c: Any, run_ids: Sequence[str]) -> list[RunData]:
-    runs, seen = [], {}
-    for rid in run_ids:
-        run = c.get_run(rid)
-        params = dict(run.data.params)
-        series = {}
+    raw = [c.get_run(rid) for rid in run_ids]
+    labels = _labels([dict(r.data.params) for r in raw], [dict(r.data.tags) for r in raw])
+    runs = []
+    for run, label in zip(raw, labels):
+        rid, series = run.info.run_id, {}
         for key in SERIES:
             hist = c.get_metric_history(rid, key)
             series[key] = sorted((m.step, m.value, m.timestamp) for m in hist)
         ranks = {k[5:]: v for k, v in run.data.metrics.items() if k.startswith("rank/")}
-        label = params.get("lowrank.mode", run.info.run_name or rid[:8])
-        seen[label] = seen.get(label, 0) + 1
-        if seen[label] > 1:
-            label = f"{label}#{seen[label]}"
-        runs.append(RunData(rid, label, params, series, ranks))
+        runs.append(RunData(rid, label, dict(run.data.params), series, ranks))
     return runs
 
 
+# Bookkeeping that differs between any two runs without saying how they differ.
+NOT_LABELS = ("train.run_dir", "train.init_from", "lowrank.mode", "tracking.", "train.threads")
+
+
+def _labels(params: list[dict[str, str]], tags: list[dict[str, str]]) -> list[str]:
+    """Each run's `lowrank.mode` (what the low-rank comparison varies) when that tells the runs
+    apart; else the mode with up to three params that differ between the runs (branches of one
+    run differ in schedule and length, a layout sweep in its layout) and the step a run started
+    from another's checkpoint at; `#N` when even those repeat."""
+    modes = [p.get("lowrank.mode", "run") for p in params]
+    varying = sorted((k for k in params[0] if not k.startswith(NOT_LABELS)
+                      and len({p.get(k) for p in params}) > 1),
+                     key=lambda k: not k.startswith("train.")) \
+        if len(set(modes)) < len(modes) else []
+    out, seen = [], {}
+    for mode, p, t in zip(modes, params, tags):
+        parts = [mode] + [f"{_short(k)}={p.get(k)}" for k in varying[:3]]
+        if "wb.init_step" in t:
+            parts.append(f"from step {t['wb.init_step']}")
+        label = " ".join(parts)
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    return out
+
+
+def _short(key: str) -> str:
+    """`train.steps` as `steps`; a group's choice (`layout.name`) as the group (`layout`)."""
+    section, _, name = key.rpartition(".")
+    return section or name if name == "name" else name
+
+
 def baseline(runs: Sequence[RunData]) -> RunData:
-    return next((r for r in runs if r.label == "off"), runs[0])
+    return next((r for r in runs if r.params.get("lowrank.mode") == "off"), runs[0])
 
 
 def summary_rows(runs: Sequence[RunData]) -> list[dict[str, Any]]:
