@@ -46,6 +46,17 @@ def test_wsd_is_stable_then_decays_1_sqrt_to_the_floor_and_constant_stays():
     assert lr_at(10, cfg) == 1.0 and lr_at(55, cfg) == pytest.approx(0.55)
 
 
+def test_checkpoints_at_multiples_of_keep_every_are_kept_for_good(tmp_path):
+    from workbench.train.checkpoint.whole import CheckpointDir, expired
+
+    assert expired([3, 6, 9, 12, 15], keep=2) == [3, 6, 9]
+    assert expired([3, 6, 9, 12, 15], keep=2, keep_every=6) == [3, 9]
+    ckpt = CheckpointDir(tmp_path, keep=1, keep_every=6)
+    for step in (3, 6, 9, 12, 15):
+        ckpt.save(step, {"step": step})
+    assert ckpt.steps() == [6, 12, 15] and all(ckpt.verify(s) is None for s in ckpt.steps())
+
+
 def _runs():
     from mlflow.tracking import MlflowClient
 
@@ -141,6 +152,8 @@ def test_the_readme_long_run_block_branches_and_continues_in_another_layout(work
     assert all(r.info.status == "FINISHED" for r in runs.values())
     stable, cool, wider, one = (runs[k].info.run_id for k in ("stable", "cool80", "stable-more",
                                                               "one"))
+    assert sorted(p.name for p in (clone / "runs/stable/checkpoints").glob("*.pt")) == [
+        f"step_{s:08d}.pt" for s in (40, 80, 100, 120)]  # keep_every=40, and the newest 2
     # the cool-down: its first forward is on the parent's step-80 weights and batch; its rate
     # decays 1-sqrt to the floor over steps 80..99
     assert metric_series(cool, "loss")[0] == metric_series(stable, "loss")[80]

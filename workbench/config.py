@@ -139,7 +139,8 @@ class TrainConfig:
     # every evaluation and in every layout, so val_loss compares across layouts).
     eval_batches: int = 4
     ckpt_every: int = 100
-    keep_ckpts: int = 2
+    keep_ckpts: int = 2  # the newest checkpoints kept ...
+    keep_every: int = 0  # ... and every checkpoint at a multiple of this step, for good (0: none)
     log_every: int = 1
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16
     compile: bool = False

@@ -49,6 +49,8 @@ def _validate_train(t: TrainConfig) -> None:
              ("beta2", 0.0 <= t.beta2 < 1.0, "must be in [0, 1) (AdamW)"),
              ("weight_decay", t.weight_decay >= 0, "must be >= 0"),
              ("grad_clip", t.grad_clip >= 0, "must be >= 0 (0 disables clipping)"),
+             ("keep_every", t.keep_every >= 0,
+              "must be >= 0 (checkpoints at its multiples are kept; 0: none)"),
              ("threads", 0 <= t.threads < 2**31, "must be in [0, 2**31) (0 = torch default)")]
     for key, ok, valid in rules:
         if not ok:

@@ -101,7 +101,7 @@ def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress:
     try:
         ctx = loop.LoopContext(
             cfg=cfg, layout=job.the_layout(), engine=engine, data=open_tokens(job.data_dir),
-            tracker=tracker, ckpt=_ckpt(job, world, cfg.train.keep_ckpts),
+            tracker=tracker, ckpt=_ckpt(job, world, cfg.train.keep_ckpts, cfg.train.keep_every),
             flops_per_token=flops_per_token(cfg.model), peak_flops_per_device=peak_flops(cfg),
             world_size=job.world_size, on_step=bar.on_step if bar else None,
             stop_requested=stop_requested,
@@ -126,15 +126,15 @@ def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress:
 FINAL_METRICS = "final_metrics.json"
 
 
-def _ckpt(job: Job, world: Dict[str, int], keep: int):
+def _ckpt(job: Job, world: Dict[str, int], keep: int, keep_every: int):
     """One whole file per checkpoint on one rank; sharded DCP folders, one set per layout,
     on several (a run dir resumed in another layout starts its own set)."""
     base = os.path.join(job.run_dir, "checkpoints")
     if job.world_size == 1:
-        return CheckpointDir(base, keep)
+        return CheckpointDir(base, keep, keep_every)
     from workbench.train.checkpoint.sharded import DistCheckpointDir
 
-    return DistCheckpointDir(os.path.join(base, job.layout), keep, world["rank"])
+    return DistCheckpointDir(os.path.join(base, job.layout), keep, world["rank"], keep_every)
 
 
 class _progress:

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from workbench.train.checkpoint.whole import expired
+
 _NAME = re.compile(r"step_(\d{8})$")
 _SHARDED = ("model", "optimizer")
 DONE = "complete.json"
@@ -28,8 +30,9 @@ DONE = "complete.json"
 class DistCheckpointDir:
     """The checkpoints of one multi-rank run; every rank calls save/load together."""
 
-    def __init__(self, folder: Path | str, keep: int = 2, rank: int = 0):
+    def __init__(self, folder: Path | str, keep: int = 2, rank: int = 0, keep_every: int = 0):
         self.folder, self.keep, self.rank = Path(folder), keep, rank
+        self.keep_every = keep_every
 
     def path(self, step: int) -> Path:
         return self.folder / f"step_{step:08d}"
@@ -55,7 +58,7 @@ class DistCheckpointDir:
             tmp.write_text(json.dumps({"step": step, "world_size": dist.get_world_size(),
                                        "layout": state.get("layout", "")}))
             os.replace(tmp, path / DONE)
-            for old in self.steps()[: -self.keep]:
+            for old in expired(self.steps(), self.keep, self.keep_every):
                 shutil.rmtree(self.path(old), ignore_errors=True)
         dist.barrier()
         return path

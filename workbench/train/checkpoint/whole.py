@@ -57,12 +57,19 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-class CheckpointDir:
-    """The checkpoints of one run; keeps the newest `keep`."""
+def expired(steps: List[int], keep: int, keep_every: int = 0) -> List[int]:
+    """The checkpoints to delete once a new one is whole: all but the newest `keep`, except
+    every `keep_every`-th step, kept for good (the points later runs branch off from:
+    `train.init_from`)."""
+    return [s for s in steps[:-keep] if not (keep_every and s % keep_every == 0)]
 
-    def __init__(self, folder: Path, keep: int = 2):
+
+class CheckpointDir:
+    """The checkpoints of one run; keeps the newest `keep`, and every `keep_every`-th step."""
+
+    def __init__(self, folder: Path, keep: int = 2, keep_every: int = 0):
         self.folder = Path(folder)
-        self.keep = keep
+        self.keep, self.keep_every = keep, keep_every
 
     def steps(self) -> List[int]:
         if not self.folder.is_dir():
@@ -82,7 +89,7 @@ class CheckpointDir:
         _atomic_write(path, data)
         side = {"step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         _atomic_write(path.with_suffix(".json"), json.dumps(side).encode())
-        for old in self.steps()[: -self.keep]:
+        for old in expired(self.steps(), self.keep, self.keep_every):
             self.path(old).unlink(missing_ok=True)
             self.path(old).with_suffix(".json").unlink(missing_ok=True)
         return path
