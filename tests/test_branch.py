@@ -93,11 +93,17 @@ def test_a_continued_run_repeats_its_parents_losses_and_resumes_as_itself(workdi
                             "train.init_from=runs/parent"]) == 0
     w = metric_series(_runs()["w"].info.run_id, "loss")
     assert [s for s, _ in w] == [0, 1, 2, 3] and w[0][1] < theirs[0][1] - 0.5
+    # a Llama-family model continued at a longer context with a larger RoPE base (the tables
+    # are computed, not saved): the same weights, a new sequence length
+    assert main(CONSTANT + ["train.steps=14", "train.run_dir=runs/long", "model.seq_len=256",
+                            "model.rope_theta=500000", "train.init_from=runs/parent"]) == 0
+    assert _runs()["long"].data.params["model.seq_len"] == "256"
 
 
 @pytest.mark.parametrize("extra, key", [
     (["train.init_from=runs/none"], "train.init_from"),
     (["train.init_from=runs/parent", "model.n_layers=2"], "model.n_layers"),
+    (["train.init_from=runs/parent", "model.family=gpt2"], "model.family"),
     (["train.init_from=runs/parent", "train.steps=12"], "train.steps"),
     (["train.init_from=runs/parent", "train.steps=20", "lowrank=adaptive"], "lowrank.mode"),
     (["train.init_from=runs/parent/checkpoints/step_00000012.json"], "train.init_from"),
@@ -113,6 +119,19 @@ def test_bad_input_exits_2_with_one_line_and_records_nothing(workdir, capsys, ex
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: {key}"), err
     assert not (workdir / "runs/bad").exists() and list(_runs()) == ["parent"]
+
+
+def test_learned_positions_tie_the_checkpoint_to_its_sequence_length():
+    from workbench.cli import compose
+    from workbench.config import ConfigError
+    from workbench.job import Job, config_dict
+    from workbench.train.branch import InitPoint, check
+
+    parent = compose(["model=gpt2_124m", "train.steps=10"])
+    point = InitPoint(Path("step_00000010.pt"), 10, Job(config_dict(parent), "k", "runs/p"))
+    check(point, compose(["model=gpt2_124m", "train.steps=20", "model.rope_theta=1"]))
+    with pytest.raises(ConfigError, match="seq_len=1024"):
+        check(point, compose(["model=gpt2_124m", "train.steps=20", "model.seq_len=2048"]))
 
 
 def test_an_interrupted_checkpoint_is_not_started_from(workdir, capsys):

@@ -94,12 +94,20 @@ def find(init_from: str) -> InitPoint:
     return InitPoint(path, step, Job.load(run_dir))
 
 
+# What the weights' shapes and meaning depend on. The rest may change from the checkpoint's: a
+# Llama-family run extended to longer sequences raises seq_len and rope_theta (RoPE tables are
+# computed, not saved), as Llama 3's long-context stage did; learned positions (gpt2) have one
+# row per position, so there seq_len counts too.
+WEIGHT_KEYS = ("family", "n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab",
+               "tie_embeddings", "bias")
+
+
 def check(point: InitPoint, cfg: RunConfig) -> None:
     """The parent's weights fit this run's model, and the run has steps left to take."""
     parent = point.parent.run_config()
     mine, theirs = asdict(cfg.model), asdict(parent.model)
-    for key in mine:
-        if key != "name" and mine[key] != theirs.get(key):
+    for key in WEIGHT_KEYS + (("seq_len",) if cfg.model.family == "gpt2" else ()):
+        if mine[key] != theirs.get(key):
             raise ConfigError(f"model.{key}", mine[key], f"the checkpoint in {KEY} was written "
                               f"by a model with {key}={theirs.get(key)!r}")
     for who, mode in (("this run", cfg.lowrank.mode), ("the checkpoint's run",
