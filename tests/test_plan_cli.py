@@ -44,6 +44,27 @@ def test_plan_prints_top_and_writes_csv(tmp_path, capsys) -> None:
     assert rows[0]["rank"] == "1" and any(r["rejected_because"] for r in rows)
 
 
+def test_a_token_budget_prints_days_and_gpu_hours_per_layout(tmp_path, capsys) -> None:
+    """--tokens: wall-clock and GPU-hours of each layout for a budget, from its tokens/s."""
+    out = tmp_path / "rank.csv"
+    args = ["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=2", "train.global_batch=64",
+            "train.dtype=bf16"]
+    assert plan_main.main(args + ["--out", str(out), "--tokens", "1e12", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "days for 1e+12" in text and "GPU-hours" in text
+    rows = [r for r in csv.DictReader(out.open()) if r["fits"] == "true"]
+    for r in rows[:50]:
+        seconds = 1e12 / float(r["tokens_per_s"])
+        assert float(r["days_for_tokens"]) == pytest.approx(seconds / 86400, rel=1e-5)
+        assert float(r["gpu_hours_for_tokens"]) == pytest.approx(seconds * 16 / 3600, rel=1e-5)
+    top = text.splitlines()[2].split()  # the best layout's line ends in days, GPU-hours
+    assert float(top[-2]) == pytest.approx(float(rows[0]["days_for_tokens"]), abs=0.05)
+    key = rows[0]["layout"]
+    assert plan_main.main(args + ["--explain", key, "--tokens", "1e12"]) == 0
+    days = f"{float(rows[0]['days_for_tokens']):.1f} days"
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"1e+12 tokens: {days}")
+
+
 def test_validate_never_crashes_on_a_row(tmp_path) -> None:
     bad_gpu = {**ROW, "gpu_type": "TPU v5"}
     missing = {**ROW, "tp": ""}
@@ -92,6 +113,7 @@ def test_calibrate_writes_coeff_to_a_copy(tmp_path) -> None:
     ("workbench.plan", ["model=llama3_8b", "--top", "-1"]),
     ("workbench.plan", ["model=llama3_8b", "--world-size", "-8"]),
     ("workbench.plan", ["model=llama3_8b", "--optuna", "-5"]),
+    ("workbench.plan", ["model=llama3_8b", "--tokens", "-1e12"]),
     # a key of another world size (16 GPUs where the cluster has 8) or global batch (8, not 16)
     ("workbench.plan", ["model=llama3_8b", "--explain", "dpr1_dps16_tp1_pp1_cp1_mb1_ga1_rc-none"]),
     ("workbench.plan", ["model=llama3_8b", "--explain", "dpr1_dps8_tp1_pp1_cp1_mb1_ga1_rc-none"]),

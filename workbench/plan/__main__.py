@@ -4,8 +4,9 @@ Ranks every layout of the model on the cluster's GPUs with the cost model, print
 and why the others were rejected, and writes the full ranking to a CSV. Hydra overrides pick the
 inputs; `--out PATH`, `--top N`, `--world-size N`, `--optuna N` (also run an N-trial Optuna
 search and report it), `--margin-gib G` (a layout fits when its predicted peak plus G GiB stays
-within HBM) and `--explain LAYOUT` (itemize one layout's peak memory and step time instead of
-ranking) are the command's own options.
+within HBM), `--tokens T` (each layout's days and GPU-hours for a budget of T tokens) and
+`--explain LAYOUT` (itemize one layout's peak memory and step time instead of ranking) are the
+command's own options.
 """
 
 from __future__ import annotations
@@ -21,24 +22,35 @@ from workbench.plan.hardware import GIB
 from workbench.plan.search import Ranking, rank_layouts
 
 
-def write_ranking(path: Path, r: Ranking) -> None:
-    """Feasible layouts best first, then the rejected ones with their reason (via a temp file)."""
+def budget(tokens: float, tokens_per_s: float, gpus: int) -> tuple[float, float]:
+    """Days and GPU-hours to train `tokens` at a predicted rate: a long run's layout is chosen by
+    its wall-clock and its bill, which a tokens/s figure leaves to mental arithmetic."""
+    seconds = tokens / tokens_per_s
+    return seconds / 86400.0, seconds * gpus / 3600.0
+
+
+def write_ranking(path: Path, r: Ranking, tokens: float = 0.0) -> None:
+    """Feasible layouts best first, then the rejected ones with their reason (via a temp file);
+    with a token budget, each feasible layout's days and GPU-hours for it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     rejected = [i for i in range(len(r)) if r.reason[i] > 0]
     with tmp.open("w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
+        extra = ["days_for_tokens", "gpu_hours_for_tokens"] if tokens else []
         w.writerow(["rank", "layout", "tokens_per_s", "mfu", "step_time_s", "peak_mem_gib",
-                    "fits", "rejected_because"])
+                    "fits", "rejected_because", *extra])
         for rank, i in enumerate(r.order, 1):
+            cost = budget(tokens, r.tokens_per_s[i], r.layout(int(i)).world_size) if tokens else ()
             w.writerow([rank, r.layout(int(i)).key(), f"{r.tokens_per_s[i]:.6g}",
                         f"{r.mfu[i]:.4f}", f"{r.step_time_s[i]:.6g}",
-                        f"{r.peak_mem_bytes[i] / GIB:.4g}", "true", ""])
+                        f"{r.peak_mem_bytes[i] / GIB:.4g}", "true", "",
+                        *(f"{c:.6g}" for c in cost)])
         for i in rejected:
             mem = r.peak_mem_bytes[i]
             w.writerow(["", _key_or_degrees(r, i), "", "", "",
                         "" if math.isnan(mem) else f"{mem / GIB:.4g}", "false",
-                        r.reason_of(i)])
+                        r.reason_of(i), *([""] * len(extra))])
     tmp.replace(path)
 
 
@@ -50,7 +62,8 @@ def _key_or_degrees(r: Ranking, i: int) -> str:
             f"_cp{int(a['cp'][i])}_mb{int(a['mb'][i])}")
 
 
-def _check_options(top: int, world_size: int, optuna: int, margin_gib: float) -> None:
+def _check_options(top: int, world_size: int, optuna: int, margin_gib: float,
+                   tokens: float) -> None:
     """The command's own numbers, checked before the (slow) ranking: a negative --top would
     slice from the end, a negative margin would admit layouts past HBM."""
     if top < 0:
@@ -62,6 +75,26 @@ def _check_options(top: int, world_size: int, optuna: int, margin_gib: float) ->
         raise ConfigError("--optuna", optuna, "a number of trials >= 0")
     if not (math.isfinite(margin_gib) and margin_gib >= 0):
         raise ConfigError("--margin-gib", margin_gib, "a non-negative number of GiB")
+    if not (math.isfinite(tokens) and tokens >= 0):
+        raise ConfigError("--tokens", tokens, "a number of training tokens, e.g. 15e12 (0: none)")
+
+
+def _print_top(r: Ranking, top: int, tokens: float, world: int) -> None:
+    hbm = r.hbm_bytes / GIB
+    keys = [r.layout(int(i)).key() for i in r.order[:top]]
+    width = max([52] + [len(k) + 2 for k in keys])  # 405B keys run past 52 characters
+    cost = f"{f'days for {tokens:.3g}':>18}{'GPU-hours':>11}" if tokens else ""
+    print(f"{'#':>3}  {'layout':<{width}}{'tokens/s':>12}{'tok/s/GPU':>11}{'MFU':>7}"
+          f"{'mem GiB':>9}{'headroom':>10}{cost}")
+    for rank, (i, key) in enumerate(zip(r.order[:top], keys), 1):
+        mem = r.peak_mem_bytes[i] / GIB
+        cost = ""
+        if tokens:
+            days, hours = budget(tokens, r.tokens_per_s[i], world)
+            cost = f"{days:>18.1f}{hours:>11.4g}"
+        print(f"{rank:>3}  {key:<{width}}{r.tokens_per_s[i]:>12.4g}"
+              f"{r.tokens_per_s[i] / world:>11.1f}{r.mfu[i]:>7.1%}{mem:>9.1f}"
+              f"{hbm - mem:>10.1f}{cost}")
 
 
 def main(argv: list[str]) -> int:
@@ -80,11 +113,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--margin-gib", type=float, default=0.0,
                    help="GiB a layout must leave free to count as fitting (ranking, --optuna, "
                         "--explain)")
+    p.add_argument("--tokens", type=float, default=0.0, metavar="T",
+                   help="a training budget in tokens (15e12): days and GPU-hours per layout")
     args = p.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise InputError(f"override {bad[0]!r}: use key=value (e.g. model=llama3_70b)")
-    _check_options(args.top, args.world_size, args.optuna, args.margin_gib)
+    _check_options(args.top, args.world_size, args.optuna, args.margin_gib, args.tokens)
     cfg = compose(args.overrides)
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
     if args.explain and cfg.cluster.pools:  # a mixed cluster: one pipeline over pools
@@ -103,6 +138,10 @@ def main(argv: list[str]) -> int:
         x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib,
                     world)
         print("\n".join(render(x)))
+        if args.tokens:
+            rate = cfg.train.global_batch * cfg.model.seq_len / x.step_time_s
+            days, hours = budget(args.tokens, rate, x.layout.world_size)
+            print(f"{args.tokens:.4g} tokens: {days:.1f} days, {hours:.4g} GPU-hours")
         return 0
     if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.hetero)
         from workbench.plan.hetero_report import pool_main
@@ -114,17 +153,12 @@ def main(argv: list[str]) -> int:
     print(f"{cfg.model.name} on {world} x {cfg.cluster.gpu} ({cfg.cluster.name}), global batch "
           f"{cfg.train.global_batch} x seq {cfg.model.seq_len}: {len(r)} layouts, "
           f"{len(r.order)} feasible (peak + {args.margin_gib:g} GiB margin within {hbm:.1f} GiB)")
-    print(f"{'#':>3}  {'layout':<52}{'tokens/s':>12}{'tok/s/GPU':>11}{'MFU':>7}"
-          f"{'mem GiB':>9}{'headroom':>10}")
-    for rank, i in enumerate(r.order[: args.top], 1):
-        mem = r.peak_mem_bytes[i] / GIB
-        print(f"{rank:>3}  {r.layout(int(i)).key():<52}{r.tokens_per_s[i]:>12.4g}"
-              f"{r.tokens_per_s[i] / world:>11.1f}{r.mfu[i]:>7.1%}{mem:>9.1f}{hbm - mem:>10.1f}")
+    _print_top(r, args.top, args.tokens, world)
     print("rejected:")
     for reason, n in sorted(r.rejected().items(), key=lambda x: -x[1]):
         print(f"  {n:>9}  {reason}")
     out = args.out or Path(f"plan-{cfg.model.name}-{world}gpu.csv")
-    write_ranking(out, r)
+    write_ranking(out, r, args.tokens)
     print(f"full ranking: {out}")
     if args.optuna:
         from workbench.plan.optuna_search import optuna_search

@@ -21,7 +21,7 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from workbench.config import ConfigError, RunConfig
 from workbench.job import JOB_NAME, Job
@@ -62,11 +62,13 @@ def _step(path: Path) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def _checkpoints(run_dir: Path) -> List[Tuple[int, Path]]:
-    """Every complete checkpoint of a run, in any layout it ran in, as (step, path)."""
+def _newest_complete(run_dir: Path) -> Optional[Tuple[int, Path]]:
+    """The newest complete checkpoint of a run, in any layout it ran in, as (step, path);
+    checked newest first, since checking a whole file reads all of it."""
     base = run_dir / "checkpoints"
     paths = list(base.glob("step_*.pt")) + [p for p in base.glob("*/step_*") if p.is_dir()]
-    return sorted((s, p) for p in paths if (s := _step(p)) is not None and _complete(p))
+    steps = sorted(((s, p) for p in paths if (s := _step(p)) is not None), reverse=True)
+    return next(((s, p) for s, p in steps if _complete(p)), None)
 
 
 def _run_dir_of(path: Path) -> Optional[Path]:
@@ -83,10 +85,10 @@ def find(init_from: str) -> InitPoint:
     if run_dir is None:
         raise ConfigError(KEY, init_from, VALID)
     if path == run_dir:
-        found = _checkpoints(run_dir)
-        if not found:
+        found = _newest_complete(run_dir)
+        if found is None:
             raise ConfigError(KEY, init_from, f"{run_dir} has no complete checkpoint yet")
-        step, path = found[-1]
+        step, path = found
     else:
         step = _step(path)
         if step is None or not _complete(path):
