@@ -1,10 +1,12 @@
 """`python -m workbench.data.prepare SRC... OUT`: a corpus in, token shards out, for
 `data=tokens data.path=OUT`.
 
-SRC is a folder of text files, local JSONL / Parquet / CSV / text files, or `hf:NAME` (a Hugging
-Face dataset, streamed; `--hf-config`, `--hf-split`). The tokenizer is byte level unless
-`--tokenizer` names a tokenizer.json or a hub tokenizer, or `--train-tokenizer N` trains an
-N-token byte-level BPE on (the first `--train-sample-mb` of) the corpus, saved beside the shards.
+SRC is a folder of text files, local JSONL / Parquet / CSV / text files, `hf:NAME` (a Hugging
+Face dataset, streamed; `--hf-config`, `--hf-split`), or `megatron:PREFIX` (a Megatron-LM / NeMo
+indexed dataset, PREFIX.bin + PREFIX.idx, already tokenized by `--tokenizer`:
+workbench.data.megatron). The tokenizer is byte level unless `--tokenizer` names a
+tokenizer.json or a hub tokenizer, or `--train-tokenizer N` trains an N-token byte-level BPE on
+(the first `--train-sample-mb` of) the corpus, saved beside the shards.
 Runs in parallel on every core (`--workers`), resumes after a kill, and leaves OUT without a
 meta.json until every shard is whole.
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 from workbench.cli import ArgParser, InputError, guarded
-from workbench.data import shards
+from workbench.data import megatron, shards
 from workbench.data import tokenizer as toks
 from workbench.data.sources import TEXT_SUFFIXES, open_source
 
@@ -82,6 +84,8 @@ def prepare(argv: List[str]) -> Tuple[Dict[str, Any], Path]:
         raise InputError("--shard-mb and --max-bytes must be > 0, --workers >= 0")
     if out.exists() and not out.is_dir():
         raise InputError(f"out={str(out)!r}: exists and is not a folder")
+    if src[0].startswith(megatron.PREFIX):
+        return _imported(args, src, out), out
     source, docs = _open(args, src)  # checks SRC before anything is written
     first = list(itertools.islice(docs, 1))  # an unreadable first row fails before OUT exists
     tok = _tokenizer(args, src, out)
@@ -89,6 +93,16 @@ def prepare(argv: List[str]) -> Tuple[Dict[str, Any], Path]:
                         int(args.shard_mb * 1e6), args.workers)
     (out / ".trained-tokenizer.json").unlink(missing_ok=True)
     return meta, out
+
+
+def _imported(args: Any, src: List[str], out: Path) -> Dict[str, Any]:
+    """A Megatron indexed dataset: its ids as they are, under the tokenizer that made them."""
+    if len(src) != 1 or args.train_tokenizer:
+        raise InputError(f"src={' '.join(src)!r}: {megatron.PREFIX}PREFIX is one source, "
+                         "already tokenized (name its tokenizer with --tokenizer)")
+    tok = toks.load(args.tokenizer)
+    return megatron.prepare(src[0][len(megatron.PREFIX):], out, tok, args.val_frac,
+                            int(args.shard_mb * 1e6))
 
 
 @guarded

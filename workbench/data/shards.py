@@ -61,7 +61,7 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.bin"
 
 
-def _finished(out: Path, name: str, itemsize: int) -> Optional[Dict[str, Any]]:
+def finished(out: Path, name: str, itemsize: int) -> Optional[Dict[str, Any]]:
     side, data = out / f"{name}.json", out / name
     if not (side.exists() and data.exists()):
         return None
@@ -105,7 +105,7 @@ def _write_shard(out: Path, name: str, docs: List[str]) -> Dict[str, Any]:
     return info
 
 
-def _start(out: Path, settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def start(out: Path, settings: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Reuse a finished folder with the same settings, resume an unfinished one, or clear it."""
     out.mkdir(parents=True, exist_ok=True)
     meta_path, state = out / "meta.json", out / STATE
@@ -156,7 +156,7 @@ class _Writer:
             return
         self.index[split] += 1
         name = shard_name(split, idx)
-        info = _finished(self.out, name, np.dtype(self.tok.dtype).itemsize)
+        info = finished(self.out, name, np.dtype(self.tok.dtype).itemsize)
         if info is not None:  # kept from an earlier, killed prepare
             self.done[split][idx] = info
         elif self.pool is None:
@@ -194,7 +194,7 @@ def write(docs: Iterable[Tuple[str, str]], out: Path, tok: Tok, source: Dict[str
 
     settings = {"tokenizer": tok.sha256, "source": source.get("fingerprint", ""),
                 "val_frac": val_frac, "shard_bytes": shard_bytes, "version": 2}
-    meta = _start(out, settings)
+    meta = start(out, settings)
     if meta is not None:
         return meta
     if tok.json is not None:
@@ -224,10 +224,10 @@ def write(docs: Iterable[Tuple[str, str]], out: Path, tok: Tok, source: Dict[str
     if not shards["train"] or not shards["val"]:
         raise InputError(f"source {source.get('name', '')!r}: needs at least 2 non-empty "
                          f"documents (found {sum(len(v) for v in shards.values())} shards)")
-    return _finish(out, tok, source, settings, shards)
+    return finish(out, tok, source, settings, shards)
 
 
-def _finish(out: Path, tok: Tok, source: Dict[str, Any], settings: Dict[str, Any],
+def finish(out: Path, tok: Tok, source: Dict[str, Any], settings: Dict[str, Any],
             shards: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
     sha = hashlib.sha256()
     for split in ("train", "val"):
