@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,18 @@ def test_a_continued_run_repeats_its_parents_losses_and_resumes_as_itself(workdi
     assert _runs()["long"].data.params["model.seq_len"] == "256"
 
 
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory, cache_dir) -> Path:
+    """A 12-step constant-rate run (checkpoints at 6 and 12) with its store, made once."""
+    root = tmp_path_factory.mktemp("parent")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.setenv("WORKBENCH_CACHE", str(cache_dir))
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/parent"]) == 0
+    return root
+
+
 @pytest.mark.parametrize("extra, key", [
     (["train.init_from=runs/none"], "train.init_from"),
     (["train.init_from=runs/parent", "model.n_layers=2"], "model.n_layers"),
@@ -111,8 +124,9 @@ def test_a_continued_run_repeats_its_parents_losses_and_resumes_as_itself(workdi
     (["train.lr_schedule=wsd", "train.steps=12", "train.decay_steps=10"], "train.decay_steps"),
     (["train.lr_schedule=linear"], "train.lr_schedule"),
 ])
-def test_bad_input_exits_2_with_one_line_and_records_nothing(workdir, capsys, extra, key):
-    assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/parent"]) == 0
+def test_bad_input_exits_2_with_one_line_and_records_nothing(parent, workdir, capsys, extra,
+                                                            key):
+    shutil.copytree(parent, workdir, dirs_exist_ok=True)  # runs/parent and its mlflow.db
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(CONSTANT + ["train.run_dir=runs/bad"] + extra)

@@ -11,6 +11,7 @@ the documents: the boundaries start at 0), int32 lengths, int64 byte offsets, in
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 from typing import List
@@ -64,16 +65,20 @@ def _documents(folder: Path) -> List[tuple]:
     return sorted(out)
 
 
-@pytest.fixture
-def corpus(workdir):
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, cache_dir) -> Path:
     """The texts as JSONL, tokenized here with a trained BPE, and as a Megatron dataset made
     with the same tokenizer: half the documents cut into two sequences, a third ending in the
-    end-of-text id (--append-eod), one empty."""
-    with open("corpus.jsonl", "w") as f:
-        for t in TEXTS:
-            f.write(json.dumps({"text": t}) + "\n")
-    assert prepare(["corpus.jsonl", "text_shards", "--train-tokenizer", "400"]) == 0
-    tok = toks.load("text_shards/tokenizer.json")
+    end-of-text id (--append-eod), one empty. Built once; each test works on a copy."""
+    root = tmp_path_factory.mktemp("megatron")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.setenv("WORKBENCH_CACHE", str(cache_dir))
+        with open("corpus.jsonl", "w") as f:
+            for t in TEXTS:
+                f.write(json.dumps({"text": t}) + "\n")
+        assert prepare(["corpus.jsonl", "text_shards", "--train-tokenizer", "400"]) == 0
+    tok = toks.load(str(root / "text_shards/tokenizer.json"))
     enc = toks.Encoder(tok)
     docs: List[List[List[int]]] = []
     for i, text in enumerate(TEXTS):
@@ -82,7 +87,15 @@ def corpus(workdir):
             ids.append(tok.eot_id)
         docs.append([ids[:len(ids) // 2], ids[len(ids) // 2:]] if i % 2 else [ids])
     docs.insert(7, [[]])
-    write_indexed(workdir / "mega_text_document", docs)
+    write_indexed(root / "mega_text_document", docs)
+    return root
+
+
+@pytest.fixture
+def corpus(made, workdir) -> Path:
+    shutil.copytree(made / "text_shards", workdir / "text_shards")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(made / f"mega_text_document{suffix}", workdir)
     return workdir
 
 
@@ -115,7 +128,7 @@ def test_the_import_holds_the_documents_tokenizing_the_text_does_and_trains(corp
     ("missing", "does not exist"),
     ("train", "already tokenized"),
 ])
-def test_a_bad_import_is_one_line_and_exit_2(corpus, damage, needle):
+def test_a_bad_import_is_one_line_and_exit_2(corpus, damage, needle, capsys):
     prefix = corpus / "mega_text_document"
     idx = Path(f"{prefix}.idx")
     args = ["megatron:mega_text_document", "out", "--tokenizer", "text_shards/tokenizer.json"]
@@ -134,7 +147,9 @@ def test_a_bad_import_is_one_line_and_exit_2(corpus, damage, needle):
         Path(f"{prefix}.bin").unlink()
     elif damage == "train":
         args += ["--train-tokenizer", "300"]
-    proc = cli("workbench.data.prepare", args, corpus, timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        prepare(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (corpus / "out/meta.json").exists()

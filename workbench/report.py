@@ -4,10 +4,12 @@ measured bytes per step, final val_loss gaps to a baseline, the low-rank switch 
 ranks. Plots are PNG, tables markdown and HTML; with --parent (or a sweep) they are logged as
 artifacts of that run, so the comparison sits beside the runs in the MLflow UI.
 
-An argument is a run id, a parent run id (its child runs), a run folder (its run), or a sweep
-(a name under sweeps/ or a folder holding trials.json). Runs are labelled by their
-`lowrank.mode` param, and by the params that differ between them when modes repeat; the
-baseline for gaps is the first run with `lowrank.mode=off`, else the first.
+An argument is a run id, a parent run id (its child runs), a run folder (its run),
+`experiment:NAME` (an MLflow experiment's finished runs), or a sweep (a name under sweeps/ or a
+folder holding trials.json). Runs are labelled by their `lowrank.mode` param, and by the params
+that differ between them when modes repeat; the baseline for gaps is the first run with
+`lowrank.mode=off`, else the first. Several seeds of one configuration add an "Across seeds"
+table (workbench.compare).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.cli import ArgParser, InputError, guarded
+from workbench.compare import SEED, SEED_COLUMNS, labels, seed_rows
 from workbench.places import SWEEPS_DIR, tracking_uri
 from workbench.track.tracker import reading_client
 
@@ -38,6 +41,7 @@ class RunData:
     params: dict[str, str]
     series: dict[str, list[tuple[int, float, int]]]  # key -> [(step, value, timestamp_ms)]
     ranks: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:
@@ -87,6 +91,9 @@ def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[s
 
     out: list[str] = []
     for arg in args:
+        if arg.startswith("experiment:"):
+            out += _experiment_runs(c, arg[len("experiment:"):])
+            continue
         if (Path(arg) / JOB_NAME).is_file() and Job.load(arg).run_id:
             out.append(Job.load(arg).run_id)
             continue
@@ -109,49 +116,30 @@ def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[s
     return list(dict.fromkeys(out))
 
 
+def _experiment_runs(c: Any, name: str) -> list[str]:
+    """The finished runs of an MLflow experiment, oldest first (a --multirun grid has no parent
+    run to name)."""
+    exp = c.get_experiment_by_name(name)
+    if exp is None:
+        raise InputError(f"experiment:{name}: no such MLflow experiment in {c.tracking_uri}")
+    runs = c.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                         order_by=["attributes.start_time ASC"])
+    return [r.info.run_id for r in runs]
+
+
 def load(c: Any, run_ids: Sequence[str]) -> list[RunData]:
     raw = [c.get_run(rid) for rid in run_ids]
-    labels = _labels([dict(r.data.params) for r in raw], [dict(r.data.tags) for r in raw])
+    names = labels([dict(r.data.params) for r in raw], [dict(r.data.tags) for r in raw])
     runs = []
-    for run, label in zip(raw, labels):
+    for run, label in zip(raw, names):
         rid, series = run.info.run_id, {}
         for key in SERIES:
             hist = c.get_metric_history(rid, key)
             series[key] = sorted((m.step, m.value, m.timestamp) for m in hist)
         ranks = {k[5:]: v for k, v in run.data.metrics.items() if k.startswith("rank/")}
-        runs.append(RunData(rid, label, dict(run.data.params), series, ranks))
+        runs.append(RunData(rid, label, dict(run.data.params), series, ranks,
+                            dict(run.data.tags)))
     return runs
-
-
-# Bookkeeping that differs between any two runs without saying how they differ.
-NOT_LABELS = ("train.run_dir", "train.init_from", "lowrank.mode", "tracking.", "train.threads")
-
-
-def _labels(params: list[dict[str, str]], tags: list[dict[str, str]]) -> list[str]:
-    """Each run's `lowrank.mode` (what the low-rank comparison varies) when that tells the runs
-    apart; else the mode with up to three params that differ between the runs (branches of one
-    run differ in schedule and length, a layout sweep in its layout) and the step a run started
-    from another's checkpoint at; `#N` when even those repeat."""
-    modes = [p.get("lowrank.mode", "run") for p in params]
-    varying = sorted((k for k in params[0] if not k.startswith(NOT_LABELS)
-                      and len({p.get(k) for p in params}) > 1),
-                     key=lambda k: not k.startswith("train.")) \
-        if len(set(modes)) < len(modes) else []
-    out, seen = [], {}
-    for mode, p, t in zip(modes, params, tags):
-        parts = [mode] + [f"{_short(k)}={p.get(k)}" for k in varying[:3]]
-        if "wb.init_step" in t:
-            parts.append(f"from step {t['wb.init_step']}")
-        label = " ".join(parts)
-        seen[label] = seen.get(label, 0) + 1
-        out.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
-    return out
-
-
-def _short(key: str) -> str:
-    """`train.steps` as `steps`; a group's choice (`layout.name`) as the group (`layout`)."""
-    section, _, name = key.rpartition(".")
-    return section or name if name == "name" else name
 
 
 def baseline(runs: Sequence[RunData]) -> RunData:
@@ -207,16 +195,20 @@ def markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str] = COLUMNS) -
 
 
 def html(rows: Sequence[dict[str, Any]], ranks: str, columns: Sequence[str] = COLUMNS,
-         images: Sequence[str] = ()) -> str:
+         images: Sequence[str] = (), seeds: Sequence[dict[str, Any]] = ()) -> str:
     import html as h
 
-    head = "".join(f"<th>{h.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{h.escape(_fmt(r.get(c, '')))}</td>" for c in columns)
-                   + "</tr>" for r in rows)
+    def table(rs: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
+        head = "".join(f"<th>{h.escape(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{h.escape(_fmt(r.get(c, '')))}</td>"
+                                        for c in cols) + "</tr>" for r in rs)
+        return f"<table border='1' cellspacing='0' cellpadding='3'><tr>{head}</tr>{body}</table>"
+
     imgs = "".join(f'<p><img src="{h.escape(i)}" alt="{h.escape(i)}"></p>' for i in images)
+    across = f"<h2>Across seeds</h2>{table(seeds, SEED_COLUMNS)}" if seeds else ""
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>workbench comparison"
             f"</title></head><body><h1>Comparison of {len(rows)} runs</h1>"
-            f"<table border='1' cellspacing='0' cellpadding='3'><tr>{head}</tr>{body}</table>"
+            f"{table(rows, columns)}{across}"
             f"<h2>Ranks after the switch</h2><pre>{h.escape(ranks)}</pre>{imgs}</body></html>")
 
 
@@ -318,17 +310,33 @@ def build(c: Any, run_ids: Sequence[str], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     runs = load(c, run_ids)
     rows = summary_rows(runs)
+    seeds = seed_table(runs)
     ranks = rank_table(runs)
     images = plots(runs, out) + signal_plots(c, runs, out)
+    across = ("\n\n## Across seeds\n\nGroups of runs that differ only in `train.seed`; gaps "
+              "are paired by seed against the baseline's group, with 95% t intervals.\n\n"
+              + markdown(seeds, SEED_COLUMNS)) if seeds else ""
     md = (f"# Comparison of {len(runs)} runs\n\nbaseline: `{baseline(runs).label}` "
           f"(gaps and byte reductions are relative to it; bytes: median of the last quarter "
-          f"of steps, measured)\n\n{markdown(rows)}\n\n## Ranks after the switch\n\n{ranks}\n\n"
-          + "\n".join(f"![{i}]({i})" for i in images) + "\n")
+          f"of steps, measured)\n\n{markdown(rows)}{across}\n\n## Ranks after the switch\n\n"
+          f"{ranks}\n\n" + "\n".join(f"![{i}]({i})" for i in images) + "\n")
     (out / "report.md").write_text(md)
-    (out / "report.html").write_text(html(rows, ranks, images=images))
+    (out / "report.html").write_text(html(rows, ranks, images=images, seeds=seeds))
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
-    return {"rows": rows, "files": ["report.md", "report.html", "summary.json", *images],
-            "markdown": md}
+    files = ["report.md", "report.html", "summary.json", *images]
+    if seeds:
+        (out / "seeds.json").write_text(json.dumps(seeds, indent=1, default=str))
+        files.insert(3, "seeds.json")
+    return {"rows": rows, "seeds": seeds, "files": files, "markdown": md}
+
+
+def seed_table(runs: Sequence[RunData]) -> list[dict[str, Any]]:
+    """Runs grouped by everything but their seed, against the baseline's group
+    (workbench.compare); empty without two seeds of one configuration."""
+    groups = labels([r.params for r in runs], [r.tags for r in runs], ignore=(SEED,),
+                    unique=False)
+    base = groups[runs.index(baseline(runs))]
+    return seed_rows(runs, groups, base)
 
 
 def attach(c: Any, parent_run_id: str, out: Path, rows: Sequence[dict[str, Any]]) -> None:
