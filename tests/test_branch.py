@@ -169,7 +169,7 @@ README_BLOCK = "python -m workbench.run train.run_dir=runs/stable"
 def test_the_readme_long_run_block_branches_and_continues_in_another_layout(workdir,
                                                                              monkeypatch):
     """The README's block (test_readme leaves it to this test): a constant-rate run, a wsd
-    cool-down off its step-80 checkpoint, and the run continued past its end on 2 FSDP ranks;
+    cool-down off its step-40 checkpoint, and the run continued past its end on 2 FSDP ranks;
     then that run's sharded checkpoint continued in one process."""
     clone = make_clone(workdir)
     block = block_with(README_BLOCK)
@@ -177,34 +177,34 @@ def test_the_readme_long_run_block_branches_and_continues_in_another_layout(work
     assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
     monkeypatch.chdir(clone)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{clone / 'mlflow.db'}")
-    more = ["train.run_dir=runs/one", "train.lr_schedule=constant", "train.steps=164",
+    more = ["train.run_dir=runs/one", "train.lr_schedule=constant", "train.steps=84",
             "train.init_from=runs/stable-more", "train.eval_every=2", "train.warmup_steps=1",
             "train.eval_batches=1", "data.max_bytes=1000000", "train.global_batch=4"]
     assert main(more) == 0
     runs = _runs()
     assert all(r.info.status == "FINISHED" for r in runs.values())
-    stable, cool, wider, one = (runs[k].info.run_id for k in ("stable", "cool80", "stable-more",
+    stable, cool, wider, one = (runs[k].info.run_id for k in ("stable", "cool40", "stable-more",
                                                               "one"))
     assert sorted(p.name for p in (clone / "runs/stable/checkpoints").glob("*.pt")) == [
-        f"step_{s:08d}.pt" for s in (40, 80, 100, 120)]  # keep_every=40, and the newest 2
-    # the cool-down: its first forward is on the parent's step-80 weights and batch; its rate
-    # decays 1-sqrt to the floor over steps 80..99
-    assert metric_series(cool, "loss")[0] == metric_series(stable, "loss")[80]
+        f"step_{s:08d}.pt" for s in (20, 40, 50, 60)]  # keep_every=20, and the newest 2
+    # the cool-down: its first forward is on the parent's step-40 weights and batch; its rate
+    # decays 1-sqrt to the floor over steps 40..49
+    assert metric_series(cool, "loss")[0] == metric_series(stable, "loss")[40]
     lrs = [v for _, v in metric_series(cool, "lr")]
     assert lrs[-1] == pytest.approx(3e-4) and lrs[0] < 3e-3 and sorted(lrs, reverse=True) == lrs
-    # 2 FSDP ranks from one process' checkpoint: the same weights (val_loss at step 120)
+    # 2 FSDP ranks from one process' checkpoint: the same weights (val_loss at step 60)
     assert runs["stable-more"].data.params["world_size"] == "2"
     assert runs["stable-more"].data.tags["wb.parent_run_id"] == stable
-    assert metric_series(wider, "val_loss")[0] == (120, pytest.approx(
+    assert metric_series(wider, "val_loss")[0] == (60, pytest.approx(
         metric_series(stable, "val_loss")[-1][1], rel=1e-5))
-    # one process from the 2 ranks' sharded checkpoint, at step 160
-    assert runs["one"].data.tags["wb.init_step"] == "160"
+    # one process from the 2 ranks' sharded checkpoint, at step 80
+    assert runs["one"].data.tags["wb.init_step"] == "80"
     assert "dps2" in runs["one"].data.params["train.init_from"]
-    assert metric_series(one, "val_loss")[0] == (160, pytest.approx(
+    assert metric_series(one, "val_loss")[0] == (80, pytest.approx(
         metric_series(wider, "val_loss")[-1][1], rel=1e-5))
     # the block's report tells the branches apart by what differs, and where each started
     rows = json.loads((clone / "reports/branches/summary.json").read_text())
     assert [r["run_id"] for r in rows] == [stable, cool, wider]
     labels = [r["run"] for r in rows]
-    assert len(set(labels)) == 3 and "from step 80" in labels[1], labels
-    assert "lr_schedule=wsd" in labels[1] and "steps=100" in labels[1], labels
+    assert len(set(labels)) == 3 and "from step 40" in labels[1], labels
+    assert "lr_schedule=wsd" in labels[1] and "steps=50" in labels[1], labels
