@@ -17,10 +17,7 @@ since it means `--tokenizer` is not the one that made the corpus.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -28,7 +25,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from workbench.cli import InputError
-from workbench.data.shards import atomic_write, finish, finished, is_val, shard_name, start
+from workbench.data.shards import (
+    atomic_write,
+    commit_shard,
+    finish,
+    finished,
+    is_val,
+    shard_name,
+    start,
+)
 from workbench.data.tokenizer import Tok
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -114,22 +119,6 @@ def _documents(ix: Indexed, tok: Tok, prefix: str) -> Iterator[Tuple[int, np.nda
         yield d, doc if doc[-1] == tok.eot_id else np.concatenate([doc, eot])
 
 
-def _write(out: Path, name: str, parts: List[np.ndarray]) -> Dict[str, Any]:
-    """One shard, written as text shards are: temp file, sidecar, then the rename."""
-    data = np.concatenate(parts).tobytes()
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    info = {"file": name, "tokens": len(data) // parts[0].itemsize, "docs": len(parts),
-            "sha256": hashlib.sha256(data).hexdigest()}
-    atomic_write(out / f"{name}.json", json.dumps(info).encode())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out / name)
-    return info
-
-
 class _Splits:
     """Documents routed to train/val and cut into shards of about `shard_tokens` ids; a shard
     an earlier, killed import finished is kept."""
@@ -150,7 +139,9 @@ class _Splits:
         if self.buf[split]:
             name = shard_name(split, len(self.done[split]))
             info = finished(self.out, name, self.itemsize)
-            self.done[split].append(info or _write(self.out, name, self.buf[split]))
+            self.done[split].append(info or commit_shard(
+                self.out, name, [np.concatenate(self.buf[split]).tobytes()], self.itemsize,
+                len(self.buf[split])))
             self.buf[split], self.size[split] = [], 0
 
 

@@ -17,7 +17,7 @@ import os
 import tempfile
 from collections import deque
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -78,27 +78,38 @@ def _init_worker(tok: Tok) -> None:
 
 
 def _write_shard(out: Path, name: str, docs: List[str]) -> Dict[str, Any]:
-    """Encode one shard's documents and write it atomically, sidecar first (the .bin's rename
-    is the commit)."""
+    """Encode one shard's documents, a batch of about ENCODE_CHARS at a time, and commit it."""
     assert _ENCODER is not None
-    sha = hashlib.sha256()
-    n = 0
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
-    with os.fdopen(fd, "wb") as f:
+    enc = _ENCODER
+
+    def chunks() -> Iterator[bytes]:
         i = 0
         while i < len(docs):
             j, size = i, 0
             while j < len(docs) and (size < ENCODE_CHARS or j == i):
                 size += len(docs[j])
                 j += 1
-            raw = _ENCODER.encode(docs[i:j]).tobytes()
+            yield enc.encode(docs[i:j]).tobytes()
+            i = j
+
+    return commit_shard(out, name, chunks(), np.dtype(enc.tok.dtype).itemsize, len(docs))
+
+
+def commit_shard(out: Path, name: str, chunks: Iterable[bytes], itemsize: int,
+                 docs: int) -> Dict[str, Any]:
+    """Write a shard's bytes atomically, sidecar first (the .bin's rename is the commit): a
+    killed prepare or import leaves either the whole shard or none of it."""
+    sha = hashlib.sha256()
+    n = 0
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
+    with os.fdopen(fd, "wb") as f:
+        for raw in chunks:
             sha.update(raw)
             f.write(raw)
-            n += len(raw) // np.dtype(_ENCODER.tok.dtype).itemsize
-            i = j
+            n += len(raw) // itemsize
         f.flush()
         os.fsync(f.fileno())
-    info = {"file": name, "tokens": n, "docs": len(docs), "sha256": sha.hexdigest()}
+    info = {"file": name, "tokens": n, "docs": docs, "sha256": sha.hexdigest()}
     atomic_write(out / f"{name}.json", json.dumps(info).encode())
     os.chmod(tmp, 0o644)
     os.replace(tmp, out / name)
