@@ -22,7 +22,7 @@ from workbench.data.corpus import load as load_data
 from workbench.testing.multirank import Case, run_cases, run_single
 
 REL_TOL = 1e-5
-BASE = ["model=gpt_tiny", "train.steps=3", "train.global_batch=8", "train.micro_batch=2",
+BASE = ["model=gpt_tiny", "train.steps=2", "train.global_batch=8", "train.micro_batch=2",
         "train.eval_batches=1", "train.eval_every=100", "train.ckpt_every=100",
         "train.warmup_steps=1", "tracking=none", "data.max_bytes=400000"]
 

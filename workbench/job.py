@@ -21,6 +21,9 @@ from workbench.config import RunConfig
 from workbench.layout import Layout
 
 JOB_NAME = "job.json"
+# What a multi-rank job returns: the loss-holding rank writes it into run_dir at the end, and the
+# torchrun launcher reads it back (its driver never imports the rank code, nor torch).
+FINAL_METRICS = "final_metrics.json"
 
 
 @dataclass

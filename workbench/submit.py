@@ -180,7 +180,7 @@ def _placement_tags(cfg: RunConfig, layout: layouts.Layout, world_size: int) -> 
 
 
 def _n_params(cfg: RunConfig) -> int:
-    from workbench.train.model import n_params
+    from workbench.train.counts import n_params
 
     return n_params(cfg.model)
 

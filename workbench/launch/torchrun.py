@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from workbench.config import LauncherConfig
-from workbench.job import Job
+from workbench.job import FINAL_METRICS, Job
 from workbench.launch.world import RanksFailed, world_size
 
 
@@ -41,8 +41,6 @@ class TorchrunLauncher:
 
             raise ConfigError("launcher.nodes", self.cfg.nodes,
                               "torchrun --standalone is one node; use launcher=slurm for more")
-        from workbench.train.main import FINAL_METRICS
-
         result = Path(job.run_dir) / FINAL_METRICS
         result.unlink(missing_ok=True)
         env = dict(os.environ)

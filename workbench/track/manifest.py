@@ -6,6 +6,7 @@ say what differs now (another commit, an edited file, another torch).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import platform
@@ -16,7 +17,7 @@ import time
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,32 +48,75 @@ def pip_freeze() -> List[str]:
     return sorted(f"{n}=={v}" for n, v in pkgs.items() if n)
 
 
+# The driver of a torchrun, Slurm or sweep job never needs torch itself; importing it only to
+# read its version cost ~2 s of CPU per launch (and torch.cuda.get_device_name starts CUDA).
+# So the environment is read from what is installed, and from torch only when this process
+# has already loaded it (the local launcher's, which trains in-process).
+
+
 @lru_cache(maxsize=1)
 def hardware() -> Dict[str, Any]:
     import psutil
-    import torch
 
     hw: Dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(),
                           "machine": platform.machine(), "cpus": os.cpu_count(),
-                          "memory_bytes": psutil.virtual_memory().total,
-                          "torch_threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        hw["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                          "memory_bytes": psutil.virtual_memory().total}
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else os.environ.get("OMP_NUM_THREADS", "")
+    if str(threads).isdigit():  # torch's own default is only known once torch is loaded
+        hw["torch_threads"] = int(threads)
+    gpus = nvidia_gpus()
+    if gpus:
+        hw["gpus"] = gpus
     return hw
+
+
+def nvidia_gpus() -> List[str]:
+    """The NVIDIA GPUs' model names from the driver's /proc files (every GPU of the machine, in
+    bus order), without starting CUDA."""
+    names = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            for line in info.read_text().splitlines():
+                if line.startswith("Model:"):
+                    names.append(line.split(":", 1)[1].strip())
+        except OSError:
+            continue
+    return names
 
 
 @lru_cache(maxsize=1)
 def versions() -> Dict[str, Optional[str]]:
-    import torch
-
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        version, cuda = torch.__version__, torch.version.cuda
+    else:
+        version, cuda = _installed_torch()
     nccl = None
-    if torch.cuda.is_available():
-        try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:
-            nccl = None
-    return {"python": sys.version.split()[0], "torch": torch.__version__,
-            "cuda": torch.version.cuda, "nccl": nccl}
+    if cuda and nvidia_gpus():  # the NCCL wheel torch's CUDA builds load
+        nccl = next((d.version for d in metadata.distributions()
+                     if (d.metadata["Name"] or "").lower().startswith("nvidia-nccl")), None)
+    return {"python": sys.version.split()[0], "torch": version, "cuda": cuda, "nccl": nccl}
+
+
+def _installed_torch() -> Tuple[Optional[str], Optional[str]]:
+    """torch's version and CUDA version as its own torch/version.py states them (the values
+    torch.__version__ and torch.version.cuda return), read as text."""
+    try:
+        dist = metadata.distribution("torch")
+    except metadata.PackageNotFoundError:
+        return None, None
+    values: Dict[str, Any] = {}
+    try:
+        tree = ast.parse(Path(str(dist.locate_file("torch/version.py"))).read_text())
+    except (OSError, SyntaxError):
+        return dist.version, None
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+            values[target.id] = node.value.value
+    return values.get("__version__", dist.version), values.get("cuda")
 
 
 _GIT_FRESH_S = 10.0  # a round of trials prepared within this shares one snapshot

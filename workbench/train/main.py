@@ -16,7 +16,7 @@ import torch
 from workbench.cli import guarded
 from workbench.config import compute_dtype
 from workbench.data.corpus import open_tokens
-from workbench.job import Job
+from workbench.job import FINAL_METRICS, Job
 from workbench.lowrank.controller import make_hooks
 from workbench.track.tracker import make_tracker
 from workbench.train import loop
@@ -121,9 +121,6 @@ def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress:
             json.dump(last, f)
         os.replace(path + ".tmp", path)
     return last
-
-
-FINAL_METRICS = "final_metrics.json"
 
 
 def _ckpt(job: Job, world: Dict[str, int], keep: int, keep_every: int):

@@ -6,6 +6,10 @@ parameter keeps its global name (`layers.5.attention.wq.weight`) and checkpoints
 layout-free. Rank r of the pp group owns stages r, r + pp, r + 2 pp, ... (the looped placement
 interleaved 1F1B expects). Stages may hold different numbers of layers
 (`layout.stage_layers`): the first and last stage lighter, or any list.
+
+torch.distributed.pipelining is imported by make_schedule only: it costs ~0.7 s of start-up, and
+the ranks of a layout without a pipeline (most runs, and every rank of a sweep's DDP trials) never
+use it.
 """
 
 from __future__ import annotations
@@ -16,12 +20,6 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from workbench.layout import Layout
 from workbench.train.model import Transformer
@@ -58,6 +56,13 @@ def make_schedule(stage_modules: List[nn.Module], stage_indices: List[int], layo
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     """PipelineStage objects over the pp group and the layout's schedule. Gradients are scaled
     by 1 / n_microbatches (loss_fn is a per-micro-batch mean), as single-process accumulation."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
     n_stages = layout.pp * layout.virtual_stages
     stages = [PipelineStage(m, i, n_stages, device, group=group)
               for m, i in zip(stage_modules, stage_indices)]
