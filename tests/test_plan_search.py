@@ -96,3 +96,21 @@ def test_optuna_within_two_percent_of_exhaustive_for_most_seeds() -> None:
         assert len(infeasible) == res.n_infeasible
         hits += res.tokens_per_s >= 0.98 * best
     assert hits >= MIN_HITS, f"{hits}/10 seeds within 2%"
+
+
+def test_row_keys_are_the_layouts_own_keys() -> None:
+    """The CSV writes 1.3 million keys for a 405B ranking from the columns directly; each must be
+    the string Layout.key() gives (uneven splits, interleaving, sequence parallel included)."""
+    import numpy as np
+
+    from workbench.layout import row_keys
+
+    cfg = compose(["model=llama3_405b", "cluster=h100_8x_ib", "train.global_batch=2048",
+                   "train.dtype=bf16"])
+    r = rank_layouts(cfg.model, cfg.cluster, cfg.train, 16384)
+    rows = np.flatnonzero(r.arrays["ga"] >= 1)
+    sample = np.random.default_rng(0).choice(rows, 3000, replace=False)
+    assert row_keys(r.arrays, sample) == [r.layout(int(i)).key() for i in sample]
+    kinds = [r.layout(int(i)) for i in sample]
+    assert any(x.stage_layers for x in kinds) and any(x.sequence_parallel for x in kinds)
+    assert any(x.pp_schedule == "interleaved_1f1b" for x in kinds)

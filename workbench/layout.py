@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
 
 from workbench.config import ConfigError, LayoutConfig, ModelConfig, TrainConfig
-from workbench.plan.columns import RECOMPUTE, SCHEDULES, layout_columns
+from workbench.plan.columns import RECOMPUTE, SCHEDULES, Columns, layout_columns
 from workbench.plan.rules import RULES, first_broken
-from workbench.plan.stages import even_split, format_split, parse_split
+from workbench.plan.stages import even_split, format_split, parse_split, split_from_ends
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "Layout", "auto_micro_batch", "resolve", "validate"]
 _KEY_ORDER = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
@@ -55,16 +58,10 @@ class Layout:
     def key(self) -> str:
         """A short canonical string; from_key(key()) == self. An uneven split adds
         `sl7-8x14-7` (a run of equal counts as COUNTxTIMES)."""
-        parts = [f"{_SHORT[n]}{getattr(self, n)}" for n in _KEY_ORDER]
-        if self.sequence_parallel:
-            parts.append("sp")
-        parts += [f"mb{self.micro_batch}", f"ga{self.grad_accum}",
-                  f"rc-{self.recompute.replace('_', '-')}"]  # "_" separates the parts
-        if self.pp > 1:
-            parts.append(f"{self.pp_schedule.replace('_', '-')}-v{self.virtual_stages}")
-        if self.stage_layers:
-            parts.append(f"sl{format_split(self.stage_layers)}")
-        return "_".join(parts)
+        return format_key(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.cp,
+                          self.sequence_parallel, self.micro_batch, self.grad_accum,
+                          self.recompute, self.pp_schedule, self.virtual_stages,
+                          format_split(self.stage_layers) if self.stage_layers else "")
 
     @classmethod
     def from_key(cls, key: str) -> Layout:
@@ -92,6 +89,40 @@ class Layout:
         return {f"layout.{f.name}": getattr(self, f.name) if f.name != "stage_layers"
                 else format_split(self.stage_layers) for f in fields(self)}
 
+
+
+def format_key(dpr: int, dps: int, tp: int, pp: int, cp: int, sp: bool, mb: int, ga: int,
+               recompute: str, schedule: str, virtual_stages: int, split: str) -> str:
+    """Layout.key() from its values (`split`: format_split of the stage list, '' for the even
+    split), so that a ranking of 400,000 layouts is keyed without building one Layout each."""
+    key = f"dpr{dpr}_dps{dps}_tp{tp}_pp{pp}_cp{cp}" + ("_sp" if sp else "")
+    key += f"_mb{mb}_ga{ga}_rc-{recompute.replace('_', '-')}"  # "_" separates the parts
+    if pp > 1:
+        key += f"_{schedule.replace('_', '-')}-v{virtual_stages}"
+    return key + (f"_sl{split}" if split else "")
+
+
+def row_keys(a: Columns, rows: Sequence[int]) -> list[str]:
+    """The keys of rows of planner columns: the same strings as Layout(**layout_fields(a, i))
+    .key(), about 20x faster (a 405B ranking's CSV holds 1.3 million rows)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    cols = {k: a[k][rows].astype(np.int64).tolist()
+            for k in ("dpr", "dps", "tp", "pp", "cp", "sp", "mb", "ga", "rc", "sched", "v",
+                      "lf", "ll", "lsum")}
+    splits: dict[tuple[int, int, int, int], str] = {}
+    out = []
+    for j in range(len(rows)):
+        pp, v, lf = cols["pp"][j], cols["v"][j], cols["lf"][j]
+        split = ""
+        if lf >= 0:
+            ends = (cols["lsum"][j], pp * v, lf, cols["ll"][j])
+            if ends not in splits:
+                splits[ends] = format_split(split_from_ends(*ends))
+            split = splits[ends]
+        out.append(format_key(cols["dpr"][j], cols["dps"][j], cols["tp"][j], pp, cols["cp"][j],
+                              bool(cols["sp"][j]), cols["mb"][j], cols["ga"][j],
+                              RECOMPUTE[cols["rc"][j]], SCHEDULES[cols["sched"][j]], v, split))
+    return out
 
 def auto_micro_batch(global_batch: int, dp: int, pp: int = 1) -> int:
     """`train.micro_batch=0`: as many sequences per forward as the global batch allows without
