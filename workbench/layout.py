@@ -90,7 +90,6 @@ class Layout:
                 else format_split(self.stage_layers) for f in fields(self)}
 
 
-
 def format_key(dpr: int, dps: int, tp: int, pp: int, cp: int, sp: bool, mb: int, ga: int,
                recompute: str, schedule: str, virtual_stages: int, split: str) -> str:
     """Layout.key() from its values (`split`: format_split of the stage list, '' for the even
@@ -123,6 +122,7 @@ def row_keys(a: Columns, rows: Sequence[int]) -> list[str]:
                               bool(cols["sp"][j]), cols["mb"][j], cols["ga"][j],
                               RECOMPUTE[cols["rc"][j]], SCHEDULES[cols["sched"][j]], v, split))
     return out
+
 
 def auto_micro_batch(global_batch: int, dp: int, pp: int = 1) -> int:
     """`train.micro_batch=0`: as many sequences per forward as the global batch allows without
