@@ -90,11 +90,17 @@ class Layout:
                 else format_split(self.stage_layers) for f in fields(self)}
 
 
+def degrees_key(dpr: int, dps: int, tp: int, pp: int, cp: int) -> str:
+    """The degrees that open every layout key (a planner row without a whole grad_accum is
+    keyed by these and its micro-batch alone)."""
+    return f"dpr{dpr}_dps{dps}_tp{tp}_pp{pp}_cp{cp}"
+
+
 def format_key(dpr: int, dps: int, tp: int, pp: int, cp: int, sp: bool, mb: int, ga: int,
                recompute: str, schedule: str, virtual_stages: int, split: str) -> str:
     """Layout.key() from its values (`split`: format_split of the stage list, '' for the even
     split), so that a ranking of 400,000 layouts is keyed without building one Layout each."""
-    key = f"dpr{dpr}_dps{dps}_tp{tp}_pp{pp}_cp{cp}" + ("_sp" if sp else "")
+    key = degrees_key(dpr, dps, tp, pp, cp) + ("_sp" if sp else "")
     key += f"_mb{mb}_ga{ga}_rc-{recompute.replace('_', '-')}"  # "_" separates the parts
     if pp > 1:
         key += f"_{schedule.replace('_', '-')}-v{virtual_stages}"

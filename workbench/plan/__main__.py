@@ -22,7 +22,7 @@ import numpy as np
 
 from workbench.cli import ArgParser, InputError, compose, guarded
 from workbench.config import ConfigError
-from workbench.layout import row_keys
+from workbench.layout import degrees_key, row_keys
 from workbench.plan.hardware import GIB
 from workbench.plan.search import REASONS, Ranking, rank_layouts
 
@@ -72,8 +72,8 @@ def _rejected_lines(r: Ranking, n_extra: int) -> Iterator[str]:
     tail = {code: _csv_line(["false", reason, *([""] * n_extra)])
             for code, reason in enumerate(REASONS)}  # a reason may hold a comma: quoted
     for j, i in enumerate(rejected.tolist()):
-        key = keys.get(i) or (f"dpr{deg['dpr'][j]}_dps{deg['dps'][j]}_tp{deg['tp'][j]}"
-                              f"_pp{deg['pp'][j]}_cp{deg['cp'][j]}_mb{deg['mb'][j]}")
+        key = keys.get(i) or degrees_key(*(deg[k][j] for k in ("dpr", "dps", "tp", "pp", "cp"))) \
+            + f"_mb{deg['mb'][j]}"
         mem = mem_gib[j]
         yield f",{key},,,,{'' if math.isnan(mem) else f'{mem:.4g}'},{tail[codes[j]]}"
 

@@ -94,8 +94,8 @@ def versions() -> Dict[str, Optional[str]]:
         version, cuda = _installed_torch()
     nccl = None
     if cuda and nvidia_gpus():  # the NCCL wheel torch's CUDA builds load
-        nccl = next((d.version for d in metadata.distributions()
-                     if (d.metadata["Name"] or "").lower().startswith("nvidia-nccl")), None)
+        nccl = next((p.split("==", 1)[1] for p in pip_freeze()
+                     if p.startswith("nvidia-nccl")), None)
     return {"python": sys.version.split()[0], "torch": version, "cuda": cuda, "nccl": nccl}
 
 
