@@ -141,6 +141,32 @@ def test_llama3_rows_state_allgather_cp_and_no_tp_overlap() -> None:
         assert case.layout.sequence_parallel
 
 
+
+def test_nemo2407_rows_read_the_printed_batching_and_the_launcher_yaml() -> None:
+    """NeMo 24.07's table prints GBS, MBS and VP, and the launcher recipes of that release say
+    the rest: Megatron's distributed optimizer with Apex's default fp32 gradient sync, TE
+    delayed-scaling FP8, sequence parallelism under TP, TP comm overlap only where the yaml sets
+    it, Llama and Nemotron heads untied, GPT-3's tied."""
+    rows = {(r["model"], r["n_gpus"]): r
+            for r in read_rows(PROJECT_CALIBRATION / "frontier_layouts.csv")[1]
+            if r["source_group"] == "nemo2407"}
+    assert len(rows) == 11
+    for row in rows.values():
+        case = row_case(row)
+        sw, lay = case.software, case.layout
+        assert sw.precision == "fp8" and sw.fp8_scaling == "te_delayed"
+        assert sw.dist_optimizer and sw.grad_buffer_bytes == 4.0 and sw.loss_hbm_bytes_per_logit == 0
+        assert lay.micro_batch == int(row["micro_batch"])
+        assert lay.dp * lay.micro_batch * lay.grad_accum == int(row["global_batch"])
+        assert lay.sequence_parallel == (lay.tp > 1)
+        assert case.model.vocab % (128 * lay.tp) == 0
+        assert case.model.tie_embeddings == row["model"].startswith("GPT3")
+    l70 = row_case(rows[("LLAMA2-70B", "64")]).layout
+    assert (l70.tp, l70.pp, l70.virtual_stages, l70.pp_schedule) == (4, 4, 20, "interleaved_1f1b")
+    assert row_case(rows[("LLAMA2-70B", "64")]).software.overlap_tp
+    assert not row_case(rows[("GPT3-175B", "512")]).software.overlap_tp  # its yaml: off
+    assert row_case(rows[("LLAMA3-8B", "8")]).layout.cp == 2
+
 MEGATRON_NOTES = "DP/TP/PP comm overlap on (--overlap-grad-reduce, --overlap-param-gather)"
 
 
