@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import benchmark_module, shared_calibration_csv
 
@@ -19,7 +20,7 @@ from workbench.plan.coefficients import coefficients
 from workbench.plan.columns import layout_columns
 from workbench.plan.costmodel import Estimate, estimate, hardware_for
 from workbench.plan.hardware import cluster_for, spec_of_cluster
-from workbench.plan.memory_terms import gather_bytes
+from workbench.plan.memory_terms import activation_bytes_per_token, gather_bytes
 from workbench.plan.shapes import model_shape
 from workbench.plan.terms import Software, evaluate
 from workbench.plan.validate import (
@@ -339,3 +340,25 @@ def test_fsdp_float8_all_gather_sends_the_block_linears_in_one_byte() -> None:
     assert _software("FP8 linears", "FSDP + compile + Float8 (fsdp float8 all-gather)",
                      "FSDP2").fsdp_fp8_gather
     assert not _software("FP8 linears", "FSDP + compile + Float8", "FSDP2").fsdp_fp8_gather
+
+
+def test_te_fp8_linears_keep_the_fp8_cast_of_their_inputs() -> None:
+    """Transformer Engine (v1.8 module/linear.py, layernorm_linear.py) saves an FP8 linear's
+    input as its one-byte cast: the QKV and MLP inputs (norm outputs) and the down projection's
+    input keep 1 byte instead of 2, and the output projection keeps an FP8 copy beside the
+    attention output the fused core keeps. It goes in the memory-only item ('unfused'), which
+    no time term reads; torchao's FP8 (tensorwise, rowwise) is not TE's and keeps 16 bits."""
+    ms = model_shape(MODEL)
+    tp, sp = np.array([2.0]), np.array([1.0])
+    bf16 = activation_bytes_per_token(ms, Software(precision="bf16"), tp, sp)
+    te = activation_bytes_per_token(ms, Software(precision="fp8", fp8_scaling="te_delayed"),
+                                    tp, sp)
+    torchao = activation_bytes_per_token(ms, Software(precision="fp8"), tp, sp)
+    for k in bf16:
+        assert float(torchao[k][0]) == float(bf16[k][0])
+        want = -2 * ms.hidden / 2 + (ms.q_width - ms.ffn_hidden) / 2 if k == "unfused" else 0.0
+        assert float(te[k][0] - bf16[k][0]) == pytest.approx(want)
+    lay = Layout(dp_replicate=4, tp=2, sequence_parallel=True, micro_batch=1, grad_accum=2)
+    te_est, ao_est = (_est(lay, Software(precision="fp8", fp8_scaling=s), 8)
+                      for s in ("te_delayed", "tensorwise"))
+    assert te_est.mem_bytes["mem_activations_bytes"] < ao_est.mem_bytes["mem_activations_bytes"]

@@ -57,7 +57,8 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
     """Korthikanti et al. (2022) itemization per token and layer, generalized to GQA/SwiGLU:
     'rep' is replicated across TP ranks unless sequence parallel, 'split' is divided by TP,
     'quad' is the s*s attention part (softmax, its dropout) that selective recompute drops;
-    'unfused' what unfused norms and SwiGLU keep on top (memory only)."""
+    'unfused' what unfused norms and SwiGLU keep on top, and what Transformer Engine's FP8
+    linears keep less (memory only: te_fp8_saved_bytes)."""
     e, h = sw.act_bytes, ms.hidden
     mask = 1.0 if sw.dropout else 0.0
     rep = e * h * 4 + 2 * h * mask  # 2 norm inputs, qkv input, mlp input; 2 dropout masks
@@ -70,6 +71,9 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
     unfused_rep = 2 * h * (eager_norm_bytes_per_elem(e) - e) if sw.unfused_norm else 0.0
     unfused_split = e * ms.ffn_hidden * (mlp_tensors(ms, sw) - (3 if ms.gated_mlp else 2)) \
         + (e * 3 * ms.q_width if sw.attention_copies else 0.0)
+    if sw.precision == "fp8" and sw.fp8_scaling == "te_delayed":  # te_fp8_saved_bytes
+        unfused_rep -= 2 * h * (e - 1)
+        unfused_split += ms.q_width - ms.ffn_hidden * (e - 1)
     if sw.flash_attention:
         quad = 4.0 * ms.n_heads  # logsumexp statistics only
     elif sw.eager_softmax_bytes:
