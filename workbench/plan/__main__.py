@@ -5,12 +5,14 @@ and why the others were rejected, and writes the full ranking to a CSV. Hydra ov
 inputs; `--out PATH`, `--top N`, `--world-size N`, `--optuna N` (also run an N-trial Optuna
 search and report it), `--margin-gib G` (a layout fits when its predicted peak plus G GiB stays
 within HBM), `--tokens T` (each layout's days and GPU-hours for a budget of T tokens) and
-`--explain LAYOUT` (itemize one layout's peak memory and step time instead of ranking) are the
-command's own options.
+`--explain LAYOUT` (itemize one layout's peak memory and step time instead of ranking),
+`--stack NAME` (plan for this engine, Megatron-Core or torchtitan: workbench.plan.stacks) and
+`--fp8` (FP8 linears on those stacks) are the command's own options.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import math
@@ -21,10 +23,12 @@ from typing import Iterator
 import numpy as np
 
 from workbench.cli import ArgParser, InputError, compose, guarded
-from workbench.config import ConfigError
+from workbench.config import ConfigError, RunConfig
 from workbench.layout import degrees_key, row_keys
 from workbench.plan.hardware import GIB
 from workbench.plan.search import REASONS, Ranking, rank_layouts
+from workbench.plan.software import Software
+from workbench.plan.stacks import STACKS, stack_software
 
 
 def budget(tokens: float, tokens_per_s: float, gpus: int) -> tuple[float, float]:
@@ -119,6 +123,36 @@ def _print_top(r: Ranking, top: int, tokens: float, world: int) -> None:
               f"{hbm - mem:>10.1f}{cost}")
 
 
+def _rank(cfg: RunConfig, args: argparse.Namespace, world: int, sw: Software) -> int:
+    """Rank, print the top and the rejections, write the CSV, optionally search with Optuna:
+    exit 1 when nothing fits (a plan with no layout is not a plan)."""
+    margin = args.margin_gib * GIB
+    r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank, sw,
+                     margin_bytes=margin)
+    hbm = r.hbm_bytes / GIB
+    print(f"{cfg.model.name} on {world} x {cfg.cluster.gpu} ({cfg.cluster.name}), global batch "
+          f"{cfg.train.global_batch} x seq {cfg.model.seq_len}, stack {args.stack} "
+          f"({sw.precision}{', MFU of the BF16 peak' if args.fp8 else ''}): {len(r)} layouts, {len(r.order)} feasible (peak + "
+          f"{args.margin_gib:g} GiB margin within {hbm:.1f} GiB)")
+    _print_top(r, args.top, args.tokens, world)
+    print("rejected:")
+    for reason, n in sorted(r.rejected().items(), key=lambda x: -x[1]):
+        print(f"  {n:>9}  {reason}")
+    out = args.out or Path(f"plan-{cfg.model.name}-{world}gpu.csv")
+    write_ranking(out, r, args.tokens)
+    print(f"full ranking: {out}")
+    if args.optuna:
+        from workbench.plan.optuna_search import optuna_search
+
+        res = optuna_search(cfg.model, cfg.cluster, cfg.train, world, args.optuna,
+                            cfg.train.seed, cfg.lowrank, margin_bytes=margin, software=sw)
+        best = r.tokens_per_s[r.order[0]] if len(r.order) else float("nan")
+        key = res.layout.key() if res.layout else "none feasible"
+        print(f"optuna ({res.n_trials} trials, {res.n_infeasible} infeasible): {key} "
+              f"{res.tokens_per_s:.4g} tokens/s ({res.tokens_per_s / best:.1%} of exhaustive)")
+    return 0 if len(r.order) else 1
+
+
 def main(argv: list[str]) -> int:
     p = ArgParser(prog="python -m workbench.plan",
                 description="Rank every parallel layout with the cost model.")
@@ -137,6 +171,10 @@ def main(argv: list[str]) -> int:
                         "--explain)")
     p.add_argument("--tokens", type=float, default=0.0, metavar="T",
                    help="a training budget in tokens (15e12): days and GPU-hours per layout")
+    p.add_argument("--stack", default="workbench", metavar="NAME",
+                   help="the training stack to plan for: " + ", ".join(STACKS))
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 linears (Transformer Engine on megatron, torchao on torchtitan)")
     args = p.parse_args(argv)
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
@@ -144,6 +182,11 @@ def main(argv: list[str]) -> int:
     _check_options(args.top, args.world_size, args.optuna, args.margin_gib, args.tokens)
     cfg = compose(args.overrides)
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    sw = stack_software(args.stack, cfg.train, cfg.cluster, args.fp8)
+    if cfg.cluster.pools and (args.stack != "workbench" or args.fp8):
+        raise ConfigError("--stack", args.stack, "workbench (without --fp8) on a mixed cluster "
+                                                 "(cluster.pools): it plans this engine's "
+                                                 "stages over the pools")
     if args.explain and cfg.cluster.pools:  # a mixed cluster: one pipeline over pools
         from workbench.plan.hetero_explain import explain_pools, render_pools
 
@@ -158,7 +201,7 @@ def main(argv: list[str]) -> int:
         from workbench.plan.explain import explain, render
 
         x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib,
-                    world)
+                    world, sw)
         print("\n".join(render(x)))
         if args.tokens:
             rate = cfg.train.global_batch * cfg.model.seq_len / x.step_time_s
@@ -169,29 +212,7 @@ def main(argv: list[str]) -> int:
         from workbench.plan.hetero_report import pool_main
 
         return pool_main(cfg, args.out, args.top, args.margin_gib)
-    margin = args.margin_gib * GIB
-    r = rank_layouts(cfg.model, cfg.cluster, cfg.train, world, cfg.lowrank, margin_bytes=margin)
-    hbm = r.hbm_bytes / GIB
-    print(f"{cfg.model.name} on {world} x {cfg.cluster.gpu} ({cfg.cluster.name}), global batch "
-          f"{cfg.train.global_batch} x seq {cfg.model.seq_len}: {len(r)} layouts, "
-          f"{len(r.order)} feasible (peak + {args.margin_gib:g} GiB margin within {hbm:.1f} GiB)")
-    _print_top(r, args.top, args.tokens, world)
-    print("rejected:")
-    for reason, n in sorted(r.rejected().items(), key=lambda x: -x[1]):
-        print(f"  {n:>9}  {reason}")
-    out = args.out or Path(f"plan-{cfg.model.name}-{world}gpu.csv")
-    write_ranking(out, r, args.tokens)
-    print(f"full ranking: {out}")
-    if args.optuna:
-        from workbench.plan.optuna_search import optuna_search
-
-        res = optuna_search(cfg.model, cfg.cluster, cfg.train, world, args.optuna,
-                            cfg.train.seed, cfg.lowrank, margin_bytes=margin)
-        best = r.tokens_per_s[r.order[0]] if len(r.order) else float("nan")
-        key = res.layout.key() if res.layout else "none feasible"
-        print(f"optuna ({res.n_trials} trials, {res.n_infeasible} infeasible): {key} "
-              f"{res.tokens_per_s:.4g} tokens/s ({res.tokens_per_s / best:.1%} of exhaustive)")
-    return 0 if len(r.order) else 1
+    return _rank(cfg, args, world, sw)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from workbench.plan.costmodel import _to_estimate, hardware_for, software_for
 from workbench.plan.hardware import GIB, GpuSpec
 from workbench.plan.links import group_bw, nic_rails
 from workbench.plan.shapes import model_shape
+from workbench.plan.software import Software
 from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate, setup
 from workbench.plan.validate import engine_only
 
@@ -72,7 +73,7 @@ class Explanation:
 
 def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key: str,
             lowrank: LowRankConfig | None = None, margin_gib: float = 0.0,
-            world_size: int = 0) -> Explanation:
+            world_size: int = 0, software: Software | None = None) -> Explanation:
     """Itemize the layout `key` (a Layout key as the ranking prints it) of `world_size` GPUs
     (0: the cluster's). A key of another world size or global batch is refused, not explained:
     its figures would answer a question the user did not ask (another cluster, another batch)."""
@@ -98,7 +99,7 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
     if margin_gib < 0:
         raise ConfigError("--margin-gib", margin_gib, "a non-negative number of GiB")
     ms, hw = model_shape(model, lowrank), hardware_for(cluster)
-    sw, co = software_for(train, cluster), coefficients(cluster)
+    sw, co = software or software_for(train, cluster), coefficients(cluster)
     a = layout_columns([layout])
     t = evaluate(ms, hw, co, sw, a, float(layout.global_batch))
     est = _to_estimate(t, ms, hw, sw, a, float(layout.global_batch), layout.world_size, 0)

@@ -43,6 +43,7 @@ from workbench.plan.search import (
     score,
     with_splits,
 )
+from workbench.plan.software import Software
 
 # the rules a micro-batch is repaired against (the batch splits into whole micro-batches, and
 # enough of them for the pipeline)
@@ -150,7 +151,8 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
                   world_size: int, n_trials: int = 100, seed: int = 0,
                   lowrank: LowRankConfig | None = None,
                   storage: str | None = None, study_name: str | None = None,
-                  local_share: float = 0.5, margin_bytes: float = 0.0) -> SearchResult:
+                  local_share: float = 0.5, margin_bytes: float = 0.0,
+                  software: Software | None = None) -> SearchResult:
     """Seeded TPE search (then a local search) maximizing predicted tokens/s; returns the best
     feasible layout (peak + `margin_bytes` within HBM, as in search.score). Every trial,
     feasible or not, counts against `n_trials`."""
@@ -168,7 +170,8 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
     def evaluate(a: dict) -> tuple[float, str, Layout | None]:
         key = tuple(sorted(a.items()))
         if key not in cache:
-            cache[key] = _score_lightest(model, cluster, train, a, lowrank, margin_bytes)
+            cache[key] = _score_lightest(model, cluster, train, a, lowrank, margin_bytes,
+                                         software)
         return cache[key]
 
     best: tuple[float, Layout | None, dict | None] = (-1.0, None, None)
@@ -223,8 +226,8 @@ def _params_of(space: _Space, q: dict) -> set[str]:
 
 
 def _score_lightest(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, a: dict,
-                    lowrank: LowRankConfig | None, margin_bytes: float = 0.0
-                    ) -> tuple[float, str, Layout | None]:
+                    lowrank: LowRankConfig | None, margin_bytes: float = 0.0,
+                    software: Software | None = None) -> tuple[float, str, Layout | None]:
     """(tokens/s, reason it is infeasible or "", layout) of the fastest layout these degrees
     allow over every recompute and every stage split the exhaustive planner scores. Neither is
     sampled, like the repairs: the lightest recompute that fits is never slower than a heavier
@@ -232,7 +235,7 @@ def _score_lightest(model: ModelConfig, cluster: ClusterConfig, train: TrainConf
     learn from neighbours (the split candidates differ per pp * virtual_stages)."""
     rcs = np.array([int(r) for r in Recompute], dtype=np.float64)
     r = score(model, cluster, train, with_splits(columns(**{**a, "rc": rcs}), model), lowrank,
-              margin_bytes=margin_bytes)
+              software, margin_bytes=margin_bytes)
     if len(r.order):
         best = int(r.order[0])
         return float(r.tokens_per_s[best]), "", r.layout(best)

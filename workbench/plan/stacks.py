@@ -1,0 +1,53 @@
+"""The training stacks the planner plans for: this repository's engine, and the two published
+stacks its cost model is scored against (benchmarks/costmodel_accuracy.py).
+
+A user who will run Megatron-Core or torchtitan wants the layout that is fastest there, not in
+this engine: the stacks differ in what they overlap, shard and fuse (Megatron-Core hides TP
+collectives behind GEMMs and shards only optimizer states; torchtitan shards everything with
+FSDP2 and runs eager elementwise ops unless compiled). Each stack here is the Software that
+validate._software reads from that stack's published rows, so the planner prices a layout the
+way the calibration scored those rows (tests/test_plan_stacks.py holds them equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from workbench.config import ClusterConfig, ConfigError, TrainConfig
+from workbench.plan.costmodel import software_for
+from workbench.plan.software import Software
+
+# name -> what it is and the calibration sources that score it (README, SOURCES.md)
+STACKS: dict[str, str] = {
+    "workbench": "this repository's engine (FSDP2/DDP, TP, all-gather CP, pipelining)",
+    "megatron": "Megatron-Core / NeMo with Transformer Engine: distributed optimizer, TP comm "
+                "overlap with SP, fp32 gradient buffer, ring CP (scored: dgxc_nemo2409, "
+                "nemo2407, megatron_h100)",
+    "torchtitan": "torchtitan: FSDP2 over dp x cp, eager elementwise ops unless "
+                  "train.compile, torchao FP8 compiled (scored: torchtitan_2412, "
+                  "torchtitan_asynctp, torchtitan_h200)",
+}
+
+
+def stack_software(stack: str, train: TrainConfig, cluster: ClusterConfig,
+                   fp8: bool = False) -> Software:
+    """The Software of `stack`, in bf16 or with FP8 linears; ConfigError for an unknown stack
+    or FP8 on this engine (it has no FP8 path, so a plan for it would be a plan for nothing)."""
+    if stack not in STACKS:
+        raise ConfigError("--stack", stack, ", ".join(STACKS))
+    if stack == "workbench":
+        if fp8:
+            raise ConfigError("--fp8", True, "with --stack megatron or torchtitan (this "
+                                             "engine trains in fp32 or bf16)")
+        return software_for(train, cluster)
+    precision = "fp8" if fp8 else "bf16"
+    if stack == "megatron":
+        # Megatron-LM forces fp32 gradient accumulation under bf16 (arguments.py), and NeMo's
+        # Apex optimizer syncs in fp32 unless told otherwise; --tp-comm-overlap needs SP.
+        sw = Software(precision=precision, overlap_tp=True, dist_optimizer=True,
+                      cp_shards_params=False, grad_buffer_bytes=4.0)
+        return replace(sw, fp8_scaling="te_delayed") if fp8 else sw
+    # torchtitan: torchao's Float8 needs torch.compile to fuse its casts (torchao docs)
+    compiled = bool(train.compile) or fp8
+    return replace(Software(precision=precision), compiled=compiled, eager=not compiled,
+                   batch_first_sp=True, cp_shards_params=True)
