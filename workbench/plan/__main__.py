@@ -132,8 +132,8 @@ def _rank(cfg: RunConfig, args: argparse.Namespace, world: int, sw: Software) ->
     hbm = r.hbm_bytes / GIB
     print(f"{cfg.model.name} on {world} x {cfg.cluster.gpu} ({cfg.cluster.name}), global batch "
           f"{cfg.train.global_batch} x seq {cfg.model.seq_len}, stack {args.stack} "
-          f"({sw.precision}{', MFU of the BF16 peak' if args.fp8 else ''}): {len(r)} layouts, {len(r.order)} feasible (peak + "
-          f"{args.margin_gib:g} GiB margin within {hbm:.1f} GiB)")
+          f"({sw.precision}{', MFU of the BF16 peak' if args.fp8 else ''}): {len(r)} layouts, "
+          f"{len(r.order)} feasible (peak + {args.margin_gib:g} GiB margin within {hbm:.1f} GiB)")
     _print_top(r, args.top, args.tokens, world)
     print("rejected:")
     for reason, n in sorted(r.rejected().items(), key=lambda x: -x[1]):
