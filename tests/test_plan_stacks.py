@@ -58,7 +58,15 @@ def test_megatron_fp8_plan_picks_nemos_published_layout_for_70b_on_64_gpus(tmp_p
     bf16 = tmp_path / "bf16.csv"
     assert plan_main.main(NEMO_70B_64 + ["--stack", "megatron", "--top", "0",
                                          "--out", str(bf16)]) == 0
+    capsys.readouterr()
     assert float(next(csv.DictReader(bf16.open()))["mfu"]) < float(best["mfu"])
+    # --explain itemizes it under the same stack: the parts the ranking used
+    assert plan_main.main(NEMO_70B_64 + ["--stack", "megatron", "--fp8", "--explain",
+                                         best["layout"]]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("stack megatron (fp8)\n")
+    total = next(ln for ln in text.splitlines() if ln.strip().startswith("total"))
+    assert float(total.split()[1]) == pytest.approx(float(best["peak_mem_gib"]), abs=0.01)
 
 
 @pytest.mark.parametrize("bad,key", [

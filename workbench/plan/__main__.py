@@ -202,6 +202,7 @@ def main(argv: list[str]) -> int:
 
         x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib,
                     world, sw)
+        print(f"stack {args.stack} ({sw.precision})")
         print("\n".join(render(x)))
         if args.tokens:
             rate = cfg.train.global_batch * cfg.model.seq_len / x.step_time_s
