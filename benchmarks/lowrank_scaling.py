@@ -147,7 +147,8 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
     torch.set_num_threads(1)  # one rank's share, as every spawned rank below
     out["host_copy_bytes_per_s"] = copy_bytes_per_s()
     if "powersgd" in modes:
-        out["powersgd_hook_s"] = powersgd_hook_s(cfgs["powersgd", worlds[0]])
+        # as many paired steps as the runs take, at most 12 (--quick: 8, 5 pairs after warm-up)
+        out["powersgd_hook_s"] = powersgd_hook_s(cfgs["powersgd", worlds[0]], min(12, steps))
         print(f"  PowerSGD hook (measured, one rank): {out['powersgd_hook_s']:.3f} s/step",
               flush=True)
     for n in worlds:

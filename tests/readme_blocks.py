@@ -30,17 +30,19 @@ SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1",
 STDLIB_SMALL = ["data.max_bytes=1000000"]  # the test session's corpus cache (conftest.FAST)
 SMALL = {  # a benchmark's smallest arguments: the same code path, seconds instead of minutes
     "benchmarks/loop_overhead.py": ["--steps", "6", "--trials", "1"],  # > its 5 warm-up steps
-    "benchmarks/parallel_cpu.py": ["--steps", "2"],
+    # 2 micro-batches of 2 (a 2-stage pipeline needs 2): every layout, a quarter of the compute
+    "benchmarks/parallel_cpu.py": ["--steps", "2", "--global-batch", "4", "--micro-batch", "2"],
     "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
                                   "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
-    "benchmarks/lowrank_switch.py": ["--steps", "24"],  # gpt_tiny, 4 runs to their switch or cap
+    "benchmarks/lowrank_switch.py": ["--steps", "12"],  # gpt_tiny, 4 runs to their switch or cap
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
     "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],
     "benchmarks/store_create.py": ["--stores", "1"],
     "benchmarks/tracking_throughput.py": ["--steps", "200"],
     "benchmarks/lowrank_scaling.py": ["--quick"],  # PowerSGD (every term), 1 and 2 ranks
-    "benchmarks/hetero_cpu.py": ["--quick"],  # 4 layers, 3 steps; speed printed, not checked
+    "benchmarks/hetero_cpu.py": ["--quick", "--global-batch", "8"],  # 4 layers, 3 steps, 2
+    # micro-batches of 4 (the pipeline's 2 stages need 2); speed printed, not checked
     "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
     "benchmarks/lowrank_sync_probe.py": ["--busy-ms", "0", "--iters", "20", "--rounds", "1",
                                         "--steps", "4"],
