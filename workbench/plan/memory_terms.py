@@ -58,7 +58,7 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
     'rep' is replicated across TP ranks unless sequence parallel, 'split' is divided by TP,
     'quad' is the s*s attention part (softmax, its dropout) that selective recompute drops;
     'unfused' what unfused norms and SwiGLU keep on top, and what Transformer Engine's FP8
-    linears keep less (memory only: te_fp8_saved_bytes)."""
+    linears keep less (memory only)."""
     e, h = sw.act_bytes, ms.hidden
     mask = 1.0 if sw.dropout else 0.0
     rep = e * h * 4 + 2 * h * mask  # 2 norm inputs, qkv input, mlp input; 2 dropout masks
@@ -71,7 +71,11 @@ def activation_bytes_per_token(ms: ModelShape, sw: Software, tp: np.ndarray, sp:
     unfused_rep = 2 * h * (eager_norm_bytes_per_elem(e) - e) if sw.unfused_norm else 0.0
     unfused_split = e * ms.ffn_hidden * (mlp_tensors(ms, sw) - (3 if ms.gated_mlp else 2)) \
         + (e * 3 * ms.q_width if sw.attention_copies else 0.0)
-    if sw.precision == "fp8" and sw.fp8_scaling == "te_delayed":  # te_fp8_saved_bytes
+    # TE's FP8 linears save the one-byte FP8 cast of their input for the weight gradient
+    # (TE 1.8 linear.py `saved_inputmat`, layernorm_linear.py `ln_out` as uint8): the QKV, MLP
+    # and down-projection inputs keep 1 byte, not e; the output projection keeps an FP8 copy
+    # beside the attention output the fused core keeps.
+    if sw.precision == "fp8" and sw.fp8_scaling == "te_delayed":
         unfused_rep -= 2 * h * (e - 1)
         unfused_split += ms.q_width - ms.ffn_hidden * (e - 1)
     if sw.flash_attention:
