@@ -4,7 +4,8 @@ Same model (gpt_tiny by default), same data, same batch, same process, alternati
 machine noise hits both. The workbench side is the real `loop.train` with MLflow tracking (sqlite),
 the progress bar and a checkpoint; the bare side is forward / backward / clip / AdamW step.
 Also measures the time from command start to the first training step of `python -m
-workbench.run` (a fresh process, cold imports).
+workbench.run` (a fresh process, cold imports) and the CPU seconds of that 2-step command, next to
+the same command with CPython's default garbage-collector thresholds (workbench/startup.py).
 
     python benchmarks/loop_overhead.py [--steps 60] [--trials 3] [overrides...]
 """
@@ -85,22 +86,52 @@ def workbench_tokens_per_s(cfg, job: Job, steps: int) -> float:
         marks["end"] - marks["start"])
 
 
-def time_to_first_step_s(workdir: Path) -> float:
-    """A fresh `python -m workbench.run`, read back from the metric the loop logs."""
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{workdir / 'cold.db'}")
-    t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "workbench.run", "train.steps=2",
-                          "train.eval_every=100"], cwd=workdir, env=env, capture_output=True,
-                         text=True)
-    wall = time.time() - t0
+# The baseline of the startup figure: the same command with CPython's default collector
+# thresholds (workbench/startup.py's setting undone before the workbench loads).
+DEFAULT_GC = ("import runpy, sys; import workbench.startup as s; s.fewer_gc_passes = lambda: None; "
+              "sys.argv = ['workbench.run'] + sys.argv[1:]; "
+              "runpy.run_module('workbench.run', run_name='__main__')")
+
+
+def time_to_first_step_s(workdir: Path, default_gc: bool = False) -> tuple[float, float]:
+    """A fresh `python -m workbench.run` of 2 steps: seconds from command start to its first
+    training step (the metric the loop logs) and the CPU seconds of the whole command."""
+    db = workdir / f"cold-{time.monotonic_ns()}.db"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{db}")
+    head = [sys.executable, "-c", DEFAULT_GC] if default_gc else [sys.executable, "-m",
+                                                                   "workbench.run"]
+    cpu0 = _children_cpu_s()
+    out = subprocess.run([*head, "train.steps=2", "train.eval_every=100"], cwd=workdir, env=env,
+                         capture_output=True, text=True)
+    cpu_s = _children_cpu_s() - cpu0
     if out.returncode:
         raise SystemExit(out.stderr)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     run = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])[0]
-    print(f"  (whole 2-step command: {wall:.1f} s)")
-    return run.data.metrics["time_to_first_step_s"]
+    return run.data.metrics["time_to_first_step_s"], cpu_s
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def startup(workdir: Path, trials: int) -> None:
+    """The startup figure and its baseline, in alternating trials (medians)."""
+    ours, default = [], []
+    for _ in range(trials):
+        ours.append(time_to_first_step_s(workdir))
+        default.append(time_to_first_step_s(workdir, default_gc=True))
+    first, cpu = (statistics.median(x) for x in zip(*ours))
+    first0, cpu0 = (statistics.median(x) for x in zip(*default))
+    print(f"time from command start to first training step: {first:.1f} s; the 2-step command "
+          f"{cpu:.1f} CPU-s (median of {trials})")
+    print(f"  with CPython's default GC thresholds: {first0:.1f} s; {cpu0:.1f} CPU-s; "
+          f"ratio {cpu / cpu0:.2f} of the CPU, {first / first0:.2f} of the time to first step")
 
 
 def main() -> None:
@@ -127,7 +158,7 @@ def main() -> None:
     print(f"bare loop       : {b:10.0f} tokens/s (median of {args.trials})")
     print(f"workbench loop  : {w:10.0f} tokens/s (median of {args.trials})")
     print(f"ratio workbench/bare: {w / b:.3f} (target >= 0.95)")
-    print(f"time from command start to first training step: {time_to_first_step_s(work):.1f} s")
+    startup(work, args.trials)
 
 
 if __name__ == "__main__":

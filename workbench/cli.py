@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from workbench.config import CONF_DIR, ConfigError, RunConfig, register
 from workbench.config_rules import validate
 from workbench.places import show_traceback
+from workbench.startup import fewer_gc_passes
 
 EXIT_BAD_INPUT = 2
 
@@ -202,6 +203,7 @@ def guarded(main: Callable[[List[str]], int]) -> Callable[[List[str]], int]:
     """Wrap a command's main so that bad input exits 2 with one line, never a traceback."""
 
     def wrapper(argv: List[str]) -> int:
+        fewer_gc_passes()  # every command is a process of its own (workbench/startup.py)
         try:
             return main(argv)
         except (ConfigError, InputError, FileNotFoundError) as e:

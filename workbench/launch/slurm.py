@@ -27,6 +27,7 @@ import submitit
 from workbench.config import ConfigError, LauncherConfig, TrackingConfig
 from workbench.job import Job
 from workbench.launch.world import world_size
+from workbench.startup import fewer_gc_passes
 
 # How many times a job may hit its time limit and requeue itself. Slurm checks limits on a ~30 s
 # tick, so a short job can be signalled several times; a site job rarely needs more than a few.
@@ -63,6 +64,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.job_path = str(job_path)
 
     def __call__(self) -> dict[str, float]:
+        fewer_gc_passes()  # before torch loads (workbench/startup.py)
         env = submitit.JobEnvironment()
         het = bool(os.environ.get("SLURM_HET_SIZE"))  # one component per pool (launch/hetjob)
         if env.num_tasks > 1:

@@ -167,7 +167,10 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
            cgroups: Optional[List[str]] = None) -> None:
     import torch.distributed as dist
 
+    from workbench.startup import fewer_gc_passes
     from workbench.train.parallel import comm
+
+    fewer_gc_passes()  # as a real rank does (workbench/train/__main__.py)
 
     if cgroups and cgroups[rank]:  # before torch starts its threads: they inherit the group
         from workbench.testing.cpuquota import join
