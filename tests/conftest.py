@@ -135,9 +135,6 @@ def pytest_configure(config):
     """Under pytest-xdist every worker gets its share of the cores: each process it starts (and
     the worker itself) runs torch on cores // workers threads. Left at torch's default, every
     process spins one thread per core and two workers on 2 cores run several times slower."""
-    from workbench.startup import fewer_gc_passes
-
-    fewer_gc_passes()  # the in-process tests run as the workbench's own commands do
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         share = str(max(1, (os.cpu_count() or 1) // workers))

@@ -1,6 +1,7 @@
 """Every workbench process scans for garbage less often than CPython's default while torch,
-torch._dynamo and MLflow load (workbench/startup.py); `benchmarks/loop_overhead.py` measures what
-it saves. Checked in fresh interpreters, as the commands and ranks start."""
+torch._dynamo and MLflow load, and goes back to the defaults once its training loop has built the
+optimizer (workbench/startup.py); `benchmarks/loop_overhead.py` measures what it saves. Checked
+in fresh interpreters, as the commands and ranks start."""
 
 from __future__ import annotations
 
@@ -34,3 +35,28 @@ def test_the_rank_entry_sets_them_before_torch_loads():
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = spy; import workbench.train.__main__; print(seen[0])")
     assert _threshold_in_fresh_process(code) == WANT
+
+
+TRAIN_ONE_STEP = """
+import gc, tempfile
+from workbench.cli import compose, guarded
+from workbench.data.corpus import load
+from workbench.layout import resolve
+from workbench.testing.multirank import run_single
+
+def main(argv):
+    cfg = compose(["train.steps=1", "train.eval_batches=1", "tracking=none",
+                   "data.max_bytes=400000"])
+    assert gc.get_threshold()[0] == YOUNG and gc.get_freeze_count() == 0
+    run_single(cfg, resolve(cfg.layout, cfg.train, 1), load(cfg.data), tempfile.mkdtemp())
+    assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()
+    print(gc.get_threshold())
+    return 0
+
+guarded(main)([])
+"""
+
+
+def test_training_goes_back_to_the_default_thresholds_with_startup_frozen():
+    code = TRAIN_ONE_STEP.replace("YOUNG", str(YOUNG_OBJECTS))
+    assert _threshold_in_fresh_process(code) == (700, 10, 10)

@@ -18,6 +18,7 @@ import torch
 from workbench.config import RunConfig
 from workbench.data.corpus import TokenData
 from workbench.layout import Layout
+from workbench.startup import startup_done
 from workbench.track.tracker import Tracker
 from workbench.train import branch
 from workbench.train.checkpoint.whole import CheckpointDir, rng_state, set_rng_state
@@ -113,6 +114,7 @@ def train(ctx: LoopContext) -> Dict[str, float]:
     hooks = ctx.hooks
     hooks.prepare(ctx.ckpt)  # restores its state (factorized shapes) before the optimizer
     optimizer = hooks.make_optimizer(ctx.engine, cfg)
+    startup_done()  # the optimizer imported torch._dynamo: the last big import
     start = resume(ctx, optimizer)
     trainable = float(trainable_params(ctx.engine.view))  # hooks report it anew if it changes
     # Per key, the last step already recorded by an earlier attempt of this run.
