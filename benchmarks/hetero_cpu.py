@@ -35,7 +35,7 @@ from typing import Any, Dict, List
 import torch
 
 from workbench import layout as layouts
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.data.corpus import load as load_data
 from workbench.plan.hetero_search import PoolPipeline, plan_pipeline
 from workbench.plan.pools import pools_of

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.data.corpus import batch_offsets, gather, load
 from workbench.job import Job
 from workbench.submit import prepare_job

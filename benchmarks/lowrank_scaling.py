@@ -127,7 +127,7 @@ def measure(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
     import torch
 
     from workbench import layout as layouts
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.config import LauncherConfig
     from workbench.data.corpus import load as load_data
     from workbench.launch.world import cores, threads_per_rank
@@ -215,7 +215,7 @@ def repeated(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
 
 def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
                 rate_mbit: float) -> List[Dict[str, Any]]:
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.plan.dp_scaling import collectives, cpu_prediction, model_shape
     from workbench.plan.dp_scaling import powersgd_hook_s as hook_model
 

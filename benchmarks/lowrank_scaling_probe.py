@@ -139,7 +139,7 @@ def _comm_one(n: int, rate_mbit: float, steps: int, bw: float, hz: int) -> None:
 def _compute_child(rank: int, n: int, steps: int, barrier, q) -> None:
     import torch
 
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.train.model import build, cross_entropy
 
     torch.set_num_threads(1)

@@ -65,7 +65,7 @@ def buckets(rounds: int, steps: int, rate_mbit: float) -> None:
     from lowrank_scaling import MICRO_BATCH, MODEL, mode_overrides
 
     from workbench import layout as layouts
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.data.corpus import load as load_data
     from workbench.testing.multirank import Case, run_cases
     from workbench.testing.netns import LimitedLink

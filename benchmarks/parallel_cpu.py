@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from workbench import layout as layouts
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.data.corpus import load as load_data
 from workbench.testing.multirank import (
     Case,

@@ -136,8 +136,8 @@ def test_bad_input_exits_2_with_one_line_and_records_nothing(parent, workdir, ca
 
 
 def test_learned_positions_tie_the_checkpoint_to_its_sequence_length():
-    from workbench.cli import compose
-    from workbench.config import ConfigError
+    from workbench.compose import compose
+    from workbench.errors import ConfigError
     from workbench.job import Job, config_dict
     from workbench.train.branch import InitPoint, check
 

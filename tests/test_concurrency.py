@@ -60,7 +60,7 @@ def test_bad_sweep_storage_is_one_line(workdir, capsys):
 
 
 def test_sqlite_from_several_nodes_warns_once(workdir, capsys):
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.track import store
 
     cfg = compose(["launcher=slurm", "launcher.nodes=2"])

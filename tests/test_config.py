@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cli import compose
-from workbench.config import CONF_DIR, ConfigError, RunConfig
+from workbench.compose import compose
+from workbench.config import CONF_DIR, RunConfig
+from workbench.errors import ConfigError
 from workbench.train.model import build, n_params
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())

@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_parallel import assert_matches_single_process, reference, run_matrix
 
-from workbench.cli import compose
-from workbench.config import ConfigError
+from workbench.compose import compose
+from workbench.errors import ConfigError
 from workbench.layout import Layout, validate
 from workbench.train.parallel.context import cp_positions
 

@@ -12,10 +12,11 @@ import pytest
 from conftest import FAST, cli, only_run
 from readme_blocks import block_with, make_clone, run_block
 
-from workbench.config import ConfigError, DataConfig
+from workbench.config import DataConfig
 from workbench.data.corpus import resolve_vocab
 from workbench.data.mixture import build_mixture
 from workbench.data.prepare import prepare
+from workbench.errors import ConfigError
 from workbench.sweep.mixture import fit, write
 
 

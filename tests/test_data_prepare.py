@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from conftest import cli
 
-from workbench.cli import InputError
 from workbench.data.corpus import open_tokens
 from workbench.data.prepare import prepare
 from workbench.data.tokenizer import Tok
+from workbench.errors import InputError
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
          "rho sigma tau upsilon phi chi psi omega").split()

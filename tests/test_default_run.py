@@ -80,8 +80,8 @@ def test_cpu_ranks_on_one_machine_share_its_memory() -> None:
     22.4 GiB alone but not twice over on one machine; two machines, or GPUs, hold one each."""
     import pytest
 
-    from workbench.cli import compose
-    from workbench.config import ConfigError
+    from workbench.compose import compose
+    from workbench.errors import ConfigError
     from workbench.submit import check_fits, choose_layout
 
     base = ["model=gpt2_124m", "launcher=torchrun", "launcher.nproc_per_node=2", "layout=ddp"]

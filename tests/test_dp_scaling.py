@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO, need_service
 
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.plan import dp_scaling as dps
 
 
@@ -65,7 +65,7 @@ def test_cpu_prediction_counts_shared_cores():
 def test_cpu_prediction_takes_the_cores_other_jobs_left():
     """A neighbour busy on one of two cores costs one rank nothing (it keeps a core) but
     stretches four ranks' compute from 2x to (4 + 1) / 2 = 2.5x the one-rank step."""
-    from workbench.cli import compose
+    from workbench.compose import compose
 
     model = compose(["model=gpt_small", "model.seq_len=128"]).model
     quiet = dps.cpu_prediction(model, "off", 0.4, 4, 1000, cores=2)

@@ -11,7 +11,7 @@ import pytest
 
 from workbench.cli import guarded
 
-PACKAGES = ("workbench.sweep", "workbench.plan")  # their commands live in __main__
+PACKAGES = ("workbench.sweep", "workbench.plan", "workbench.train")  # commands in __main__
 STORE = "+store"  # the case runs against an existing (empty) MLflow store
 CASES = [
     ("workbench.report", ["x", "--no-such-flag"], "unrecognized arguments"),
@@ -23,7 +23,7 @@ CASES = [
     ("workbench.rerun", [], "usage: python -m workbench.rerun"),
     ("workbench.rerun", ["0123456789abcdef"], "no MLflow store there"),
     ("workbench.rerun", [STORE, "0123456789abcdef"], "no such run"),
-    ("workbench.train.main", ["/no/such/job.json"], "does not exist"),
+    ("workbench.train", ["/no/such/job.json"], "does not exist"),
     ("workbench.sweep", ["status"], "sweep"),
     ("workbench.plan", ["--no-such-flag"], "unrecognized arguments"),
     ("workbench.run", ["layout=nope"], "layout='nope': no such option; valid:"),

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from conftest import benchmark_module
 
-from workbench.cli import compose, guarded
-from workbench.config import ConfigError
+from workbench.cli import guarded
+from workbench.compose import compose
+from workbench.errors import ConfigError
 from workbench.layout import Layout
 from workbench.plan import __main__ as plan_main
 from workbench.plan.columns import layout_columns

@@ -18,7 +18,7 @@ TWO_POOLS = ["model=gpt_tiny", "model.n_layers=8", "cluster=cpu_two_pools",
 
 
 def test_planner_gives_the_slow_pool_fewer_layers_and_predicts_a_faster_step():
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.plan.hetero_search import plan_pipeline
 
     cfg = compose(TWO_POOLS)
@@ -60,7 +60,7 @@ def test_cpu_quota_caps_a_process_and_is_removed():
 
 
 def _cfg(*extra: str):
-    from workbench.cli import compose
+    from workbench.compose import compose
 
     return compose(["launcher=slurm", "cluster=cpu_two_pools", "launcher.tasks_per_node=2",
                     "layout=pp", *extra])
@@ -90,7 +90,7 @@ def test_stage_pools_place_each_pipeline_rank_on_its_pool():
 ])
 def test_bad_placements_are_config_errors(extra, key, words):
     from workbench import layout as layouts
-    from workbench.config import ConfigError
+    from workbench.errors import ConfigError
     from workbench.launch.hetjob import placement
 
     cfg = _cfg(*extra)
@@ -100,7 +100,7 @@ def test_bad_placements_are_config_errors(extra, key, words):
 
 def test_pool_ranks_must_be_consecutive():
     from workbench import layout as layouts
-    from workbench.config import ConfigError
+    from workbench.errors import ConfigError
     from workbench.launch.hetjob import placement
 
     cfg = _cfg("layout.pp=4", "launcher.tasks_per_node=4",

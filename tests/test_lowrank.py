@@ -180,8 +180,8 @@ def test_should_switch_bounds():
     ("lowrank.target_reduction=1", "lowrank.target_reduction"),
 ])
 def test_bad_criterion_keys_name_the_key(override, key):
-    from workbench.cli import compose
-    from workbench.config import ConfigError
+    from workbench.compose import compose
+    from workbench.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         compose(["lowrank=adaptive", override])

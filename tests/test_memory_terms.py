@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.layout import Layout
 from workbench.plan.costmodel import estimate
 from workbench.plan.terms import Software

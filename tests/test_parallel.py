@@ -16,7 +16,7 @@ from typing import Dict, List
 import pytest
 
 from workbench import layout as layouts
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.config import RunConfig
 from workbench.data.corpus import load as load_data
 from workbench.testing.multirank import Case, run_cases, run_single

@@ -134,7 +134,7 @@ def test_margin_rejects_exactly_the_layouts_that_leave_too_little_free(tmp_path,
     """`--margin-gib G` holds for the ranking and the Optuna search, not only --explain: a layout
     that fits with less than G GiB free is rejected under a reason of its own, and every other
     layout keeps its place; a user who trusts the memory model less gets a ranking that says so."""
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.plan.hardware import GIB
     from workbench.plan.optuna_search import optuna_search
     from workbench.plan.search import NOT_FIT, REASONS, UNDER_MARGIN, rank_layouts
@@ -173,7 +173,7 @@ def test_margin_rejects_exactly_the_layouts_that_leave_too_little_free(tmp_path,
 ])
 def test_explain_parts_sum_to_the_total(key: str, capsys) -> None:
     """The itemization a user reads must add up to the peak the ranking compares with HBM."""
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.layout import Layout
     from workbench.plan.costmodel import estimate
     from workbench.plan.explain import explain
@@ -211,7 +211,7 @@ def test_calibrate_from_mlflow_recovers_a_known_coefficient(tmp_path, capsys) ->
 
     from mlflow.tracking import MlflowClient
 
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.layout import Layout
     from workbench.plan.coefficients import coefficients
     from workbench.plan.costmodel import estimate, software_for
@@ -268,7 +268,7 @@ def test_explain_shows_the_bandwidth_each_group_gets(capsys) -> None:
     """--explain names the links the time terms used: a group inside a node gets NVLink; a
     data-parallel group of 16 ranks 2 apart on 4 H100 nodes gets 4 NICs per node (one ring per
     member on a node), and the pipeline send between two nodes one NIC."""
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.plan.coefficients import coefficients
     from workbench.plan.costmodel import hardware_for
     from workbench.plan.explain import explain

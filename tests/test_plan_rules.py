@@ -9,8 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from workbench.cli import compose
-from workbench.config import ConfigError, ModelConfig
+from workbench.compose import compose
+from workbench.config import ModelConfig
+from workbench.errors import ConfigError
 from workbench.layout import Layout, validate
 from workbench.plan.columns import layout_fields
 from workbench.plan.optuna_search import _space, optuna_search

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.cli import compose
-from workbench.config import ConfigError
+from workbench.compose import compose
+from workbench.errors import ConfigError
 from workbench.layout import validate
 from workbench.plan.costmodel import estimate
 from workbench.plan.optuna_search import optuna_search

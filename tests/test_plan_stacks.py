@@ -8,7 +8,8 @@ import csv
 import pytest
 from conftest import REPO
 
-from workbench.cli import compose, guarded
+from workbench.cli import guarded
+from workbench.compose import compose
 from workbench.plan import __main__ as plan_main
 from workbench.plan.costmodel import software_for
 from workbench.plan.stacks import STACKS, stack_software

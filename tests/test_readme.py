@@ -69,7 +69,7 @@ def clone(workdir) -> Path:
 
 
 def _compose_only(block: Block, cwd: Path) -> None:
-    from workbench.cli import compose
+    from workbench.compose import compose
 
     for cmd in block.commands:
         words = shlex.split(cmd, comments=True)

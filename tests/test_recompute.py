@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.plan.memory_terms import (
     activation_bytes_per_token,
     op_policy_items,
@@ -99,7 +99,7 @@ def test_op_policy_redoes_every_second_matmul_and_never_the_attention() -> None:
 # returned on free (glibc otherwise raises the threshold after a free and keeps the pages).
 KEPT = r"""
 import sys, torch
-from workbench.cli import compose
+from workbench.compose import compose
 from workbench.train.model import build, cross_entropy
 from workbench.train.parallel.recompute import apply_recompute
 cfg = compose(sys.argv[2:]).model

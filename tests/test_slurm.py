@@ -145,7 +145,7 @@ def test_requeue_and_time_limit_signal_resume_into_the_same_run(workdir):
     recorded exactly once."""
     from mlflow.tracking import MlflowClient
 
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.launch.slurm import SlurmLauncher
     from workbench.submit import prepare_job
     from workbench.train.main import run_job

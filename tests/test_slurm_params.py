@@ -8,7 +8,7 @@ import pytest
 def test_launcher_config_becomes_sbatch_options(tmp_path):
     from submitit.slurm.slurm import _make_sbatch_string
 
-    from workbench.cli import compose
+    from workbench.compose import compose
     from workbench.launch.slurm import SlurmLauncher, sbatch_parameters
 
     cfg = compose(["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=4",
@@ -26,8 +26,8 @@ def test_launcher_config_becomes_sbatch_options(tmp_path):
 
 
 def test_bad_launcher_values_are_config_errors():
-    from workbench.cli import compose
-    from workbench.config import ConfigError
+    from workbench.compose import compose
+    from workbench.errors import ConfigError
     from workbench.launch.slurm import SlurmLauncher
 
     cfg = compose(["launcher=slurm", "launcher.tasks_per_node=0"]).launcher

@@ -39,7 +39,8 @@ def test_the_rank_entry_sets_them_before_torch_loads():
 
 TRAIN_ONE_STEP = """
 import gc, tempfile
-from workbench.cli import compose, guarded
+from workbench.compose import compose
+from workbench.cli import guarded
 from workbench.data.corpus import load
 from workbench.layout import resolve
 from workbench.testing.multirank import run_single

@@ -124,3 +124,19 @@ def test_no_merge_conflict_markers_in_tracked_files():
     hits = [f for f in files if (REPO / f).is_file() and (REPO / f).stat().st_size < 2_000_000
             and marker.search((REPO / f).read_text(errors="ignore"))]
     assert not hits, f"merge conflict markers in {hits}"
+
+
+def _is_command(path: Path) -> bool:
+    """A module run as `python -m ...`: a package's __main__ or one with a __main__ guard."""
+    text = path.read_text()
+    return path.name == "__main__.py" or 'if __name__ == "__main__":' in text
+
+
+def test_only_commands_import_the_command_line_module():
+    """The error classes live in workbench.errors, below everything: a library module reports
+    bad input without depending on the command line."""
+    mods = _modules()
+    users = sorted(name for name, path in mods.items()
+                   if "workbench.cli" in _imports(name, path, set(mods))
+                   and not _is_command(path))
+    assert users == [], users

@@ -194,7 +194,7 @@ def test_multirun_expands_a_plain_grid_and_validates_it_first(workdir, capsys):
 
 
 def test_sweep_config_schema_and_space():
-    from workbench.config import ConfigError
+    from workbench.errors import ConfigError
     from workbench.sweep.space import budget, objectives, params, parse_sweep
 
     sweep = parse_sweep({"name": "x", "space": {"train": {"lr": {"low": 1e-4, "high": 1e-2,

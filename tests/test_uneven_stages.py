@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from test_plan_rules import rule_of
 
-from workbench.cli import compose
-from workbench.config import ConfigError
+from workbench.compose import compose
+from workbench.errors import ConfigError
 from workbench.layout import Layout, resolve, validate
 from workbench.plan.columns import Schedule, layout_fields
 from workbench.plan.costmodel import estimate

@@ -17,14 +17,6 @@ from omegaconf import MISSING
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
-class ConfigError(ValueError):
-    """A bad value in the user's configuration: reported as one line, exit status 2."""
-
-    def __init__(self, key: str, value: Any, valid: str):
-        self.key, self.value, self.valid = key, value, valid
-        super().__init__(f"{key}={value!r}: {valid}")
-
-
 @dataclass
 class ModelConfig:
     name: str = MISSING

@@ -9,7 +9,8 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import List
 
-from workbench.config import CHOICES, ConfigError, DataConfig, LowRankConfig, RunConfig, TrainConfig
+from workbench.config import CHOICES, DataConfig, LowRankConfig, RunConfig, TrainConfig
+from workbench.errors import ConfigError
 
 
 def _positive(cfg: RunConfig, keys: List[str]) -> None:

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from workbench.config import ConfigError, LayoutConfig, ModelConfig, TrainConfig
+from workbench.config import LayoutConfig, ModelConfig, TrainConfig
+from workbench.errors import ConfigError
 from workbench.plan.columns import RECOMPUTE, SCHEDULES, Columns, layout_columns
 from workbench.plan.rules import RULES, first_broken
 from workbench.plan.stages import even_split, format_split, parse_split, split_from_ends

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.cli import ArgParser, InputError, guarded
+from workbench.cli import ArgParser, guarded
 from workbench.compare import SEED, SEED_COLUMNS, labels, seed_rows
+from workbench.errors import InputError
 from workbench.places import SWEEPS_DIR, tracking_uri
 from workbench.track.tracker import reading_client
 

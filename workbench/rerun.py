@@ -16,10 +16,11 @@ from typing import List
 
 from omegaconf import OmegaConf
 
-from workbench.cli import InputError, guarded
+from workbench.cli import guarded
 from workbench.config import RunConfig, TrackingConfig
 from workbench.config_rules import validate
 from workbench.data.corpus import load as load_data
+from workbench.errors import InputError
 from workbench.launch import world_size
 from workbench.submit import launch, prepare_job, summary
 from workbench.track import manifest as manifests

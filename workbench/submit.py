@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from workbench import layout as layouts
-from workbench.cli import compose
-from workbench.config import ConfigError, RunConfig
+from workbench.compose import compose
+from workbench.config import RunConfig
 from workbench.data.corpus import load as load_data
 from workbench.data.corpus import resolve_vocab
+from workbench.errors import ConfigError
 from workbench.job import JOB_NAME, Job, config_dict, flat_params
 from workbench.job import config_yaml as to_yaml
 from workbench.launch import make_launcher, threads_per_rank, world_size

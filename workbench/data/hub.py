@@ -12,7 +12,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from workbench.cli import InputError
+from workbench.errors import InputError
 
 
 def hub_host() -> str:

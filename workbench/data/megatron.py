@@ -24,7 +24,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from workbench.cli import InputError
 from workbench.data.shards import (
     atomic_write,
     commit_shard,
@@ -35,6 +34,7 @@ from workbench.data.shards import (
     start,
 )
 from workbench.data.tokenizer import Tok
+from workbench.errors import InputError
 
 MAGIC = b"MMIDIDX\x00\x00"
 # Megatron's dtype codes for the ids in the .bin (the float codes are not token ids).

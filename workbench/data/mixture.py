@@ -17,10 +17,11 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from workbench.config import ConfigError, DataConfig
+from workbench.config import DataConfig
 from workbench.data.order import epoch_starts
 from workbench.data.shards import atomic_write
 from workbench.data.tokens import TokenData, batch_offsets, cache_root, gather, open_corpus
+from workbench.errors import ConfigError
 
 STREAM_SOURCE, STREAM_OFFSET = 2, 3  # generator streams distinct from batch_offsets' 0 and 1
 

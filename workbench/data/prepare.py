@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from workbench.cli import ArgParser, InputError, guarded
+from workbench.cli import ArgParser, guarded
 from workbench.data import megatron, shards
 from workbench.data import tokenizer as toks
 from workbench.data.sources import TEXT_SUFFIXES, open_source
+from workbench.errors import InputError
 
 
 def _parser() -> ArgParser:

@@ -21,8 +21,8 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from workbench.cli import InputError
 from workbench.data.tokenizer import Encoder, Tok
+from workbench.errors import InputError
 
 STATE = ".prepare.json"  # settings of an unfinished prepare; resuming needs the same ones
 ENCODE_CHARS = 1 << 20  # text per encode_batch call inside a worker: bounds its memory

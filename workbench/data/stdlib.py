@@ -17,10 +17,11 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
-from workbench.config import ConfigError, DataConfig
+from workbench.config import DataConfig
 from workbench.data import shards
 from workbench.data import tokenizer as toks
 from workbench.data.tokens import TokenData, cache_root, open_corpus, write_shards
+from workbench.errors import ConfigError
 
 PARTS = ("all", "tests", "modules", "docs")
 SKIP = {"site-packages", "dist-packages", "__pycache__", "idlelib"}

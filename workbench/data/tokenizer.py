@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional
 
 import numpy as np
 
-from workbench.cli import InputError
+from workbench.errors import InputError
 
 BYTES = "bytes"
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")

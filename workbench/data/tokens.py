@@ -204,7 +204,7 @@ def gather(tokens, offsets: np.ndarray, seq_len: int) -> Tuple[np.ndarray, np.nd
 def resolve_vocab(model_vocab: int, data, overrides: List[str]) -> int:
     """model.vocab for this data: the data's own unless the user set model.vocab on the command
     line (then it must hold every token id: a larger one is padding, a smaller one an error)."""
-    from workbench.config import ConfigError
+    from workbench.errors import ConfigError
 
     explicit = any(o.lstrip("+~").split("=", 1)[0] == "model.vocab" for o in overrides)
     if explicit or data.vocab == model_vocab:

@@ -30,7 +30,8 @@ from typing import Any, Dict, List
 import submitit
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob, _parse_node_list
 
-from workbench.config import ConfigError, RunConfig
+from workbench.config import RunConfig
+from workbench.errors import ConfigError
 from workbench.layout import Layout
 
 FAILED = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")

@@ -24,7 +24,8 @@ from typing import Any
 
 import submitit
 
-from workbench.config import ConfigError, LauncherConfig, TrackingConfig
+from workbench.config import LauncherConfig, TrackingConfig
+from workbench.errors import ConfigError
 from workbench.job import Job
 from workbench.launch.world import world_size
 from workbench.startup import fewer_gc_passes

@@ -37,7 +37,7 @@ class TorchrunLauncher:
     def launch(self, job: Job) -> Dict[str, float]:
         """Run the job to completion; the final metrics of the loss-holding rank."""
         if self.cfg.nodes != 1:
-            from workbench.config import ConfigError
+            from workbench.errors import ConfigError
 
             raise ConfigError("launcher.nodes", self.cfg.nodes,
                               "torchrun --standalone is one node; use launcher=slurm for more")

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from workbench.config import ConfigError, RunConfig
+from workbench.config import RunConfig
+from workbench.errors import ConfigError
 from workbench.lowrank import factorize as lr_mod
 from workbench.lowrank import signals as sig
 from workbench.lowrank.detector import Criterion, SwitchDetector, forced, should_switch

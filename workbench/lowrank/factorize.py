@@ -178,7 +178,7 @@ def tp_styles(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if sequence_parallel:
-        from workbench.config import ConfigError
+        from workbench.errors import ConfigError
 
         raise ConfigError("layout.sequence_parallel", True,
                           "low-rank layers under tensor parallelism support sequence_parallel="

@@ -22,8 +22,10 @@ from typing import Iterator
 
 import numpy as np
 
-from workbench.cli import ArgParser, InputError, compose, guarded
-from workbench.config import ConfigError, RunConfig
+from workbench.cli import ArgParser, guarded
+from workbench.compose import compose
+from workbench.config import RunConfig
+from workbench.errors import ConfigError, InputError
 from workbench.layout import degrees_key, row_keys
 from workbench.plan.hardware import GIB
 from workbench.plan.search import REASONS, Ranking, rank_layouts

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from workbench.cli import ArgParser, InputError, guarded
-from workbench.config import CONF_DIR, ClusterConfig, ConfigError
+from workbench.cli import ArgParser, guarded
+from workbench.config import CONF_DIR, ClusterConfig
+from workbench.errors import ConfigError, InputError
 from workbench.plan.coefficients import NAMES, Coefficients, coefficients
 from workbench.plan.hardware import match_gpu
 from workbench.plan.validate import Case, predict_case, read_rows, row_case
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
     if not path.is_file():
         valid = sorted(q.stem for q in (args.conf_dir / "cluster").glob("*.yaml"))
         raise ConfigError("--cluster", args.cluster, f"no such cluster; valid: {', '.join(valid)}")
-    from workbench.cli import compose
+    from workbench.compose import compose
 
     cluster = compose([f"cluster={args.cluster}"]).cluster if args.conf_dir == CONF_DIR else \
         _load_cluster(path)

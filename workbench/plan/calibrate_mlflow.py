@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import fields
 
-from workbench.cli import InputError
-from workbench.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
+from workbench.config import ClusterConfig, ModelConfig, TrainConfig
+from workbench.errors import ConfigError, InputError
 from workbench.layout import Layout
 from workbench.plan.costmodel import software_for
 from workbench.plan.hardware import match_gpu

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from workbench.config import ClusterConfig, ConfigError
+from workbench.config import ClusterConfig
+from workbench.errors import ConfigError
 from workbench.plan.hardware import match_gpu
 
 

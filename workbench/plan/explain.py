@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.config import ClusterConfig, ConfigError, LowRankConfig, ModelConfig, TrainConfig
+from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
+from workbench.errors import ConfigError
 from workbench.layout import Layout
 from workbench.layout import validate as validate_layout
 from workbench.plan.coefficients import Coefficients, coefficients

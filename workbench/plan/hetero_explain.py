@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from workbench.config import ClusterConfig, ConfigError, LowRankConfig, ModelConfig, TrainConfig
+from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
+from workbench.errors import ConfigError
 from workbench.plan.hardware import GIB
 from workbench.plan.hetero_search import HeteroRanking, rank_pools, world_of
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from workbench.config import ClusterConfig, ConfigError
+from workbench.config import ClusterConfig
+from workbench.errors import ConfigError
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.hardware import GpuSpec, hardware_for_pool, spec_of_cluster
 

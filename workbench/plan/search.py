@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.config import ClusterConfig, ConfigError, LowRankConfig, ModelConfig, TrainConfig
+from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
+from workbench.errors import ConfigError
 from workbench.layout import Layout
 from workbench.plan.coefficients import Coefficients, coefficients
 from workbench.plan.columns import Columns, Recompute, Schedule, columns, layout_fields

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from workbench.config import ClusterConfig, ConfigError, TrainConfig
+from workbench.config import ClusterConfig, TrainConfig
+from workbench.errors import ConfigError
 from workbench.plan.costmodel import software_for
 from workbench.plan.software import Software
 

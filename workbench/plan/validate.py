@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from workbench.cli import ArgParser, InputError, guarded
-from workbench.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
+from workbench.cli import ArgParser, guarded
+from workbench.config import ClusterConfig, ModelConfig, TrainConfig
+from workbench.errors import ConfigError, InputError
 from workbench.layout import Layout
 from workbench.layout import validate as validate_layout
 from workbench.plan.coefficients import Coefficients, coefficients

@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.cli import InputError, guarded
+from workbench.cli import guarded
+from workbench.errors import InputError
 from workbench.places import SWEEPS_DIR
 
 

@@ -18,8 +18,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from workbench.cli import guarded, to_run_config
-from workbench.config import ConfigError, RunConfig
+from workbench.cli import guarded
+from workbench.compose import to_run_config
+from workbench.config import RunConfig
+from workbench.errors import ConfigError
 from workbench.launch import threads_per_rank
 from workbench.sweep import report
 from workbench.sweep.backends import make_backend

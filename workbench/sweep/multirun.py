@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 import sys
 
-from workbench.cli import compose
-from workbench.config import ConfigError
+from workbench.compose import compose
+from workbench.errors import ConfigError
 
 FLAGS = ("--multirun", "-m")
 

@@ -12,8 +12,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from workbench.cli import compose_dict, to_run_config
-from workbench.config import ConfigError, RunConfig
+from workbench.compose import compose_dict, to_run_config
+from workbench.config import RunConfig
+from workbench.errors import ConfigError
 from workbench.launch import world_size
 from workbench.sweep.backends import Backend
 from workbench.sweep.space import Objective, SweepConfig, objectives, params, parse_sweep

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from workbench.config import ConfigError, RunConfig
+from workbench.config import RunConfig
+from workbench.errors import ConfigError
 from workbench.places import SWEEPS_DIR
 
 # Metrics the training loop logs, with the direction that makes them better.

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.cli import InputError
+from workbench.errors import InputError
 
 STATES = ("asked", "rejected", "prepared", "submitted", "complete", "failed")
 DONE = ("rejected", "complete", "failed")

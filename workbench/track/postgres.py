@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 from typing import List, Optional
 
-from workbench.cli import InputError
+from workbench.errors import InputError
 
 ROLE = "workbench"
 DATABASES = ("mlflow", "optuna", "mlflow_auth")

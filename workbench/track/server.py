@@ -66,7 +66,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from workbench.cli import ArgParser, InputError, guarded
+from workbench.cli import ArgParser, guarded
+from workbench.errors import InputError
 from workbench.track.postgres import LOOPBACK, Postgres, ensure_installed, port_in_use
 
 DEFAULT_DIR = Path("/tmp/workbench-tracking")

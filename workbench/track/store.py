@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from workbench.cli import InputError
-from workbench.config import ConfigError, RunConfig
+from workbench.config import RunConfig
+from workbench.errors import ConfigError, InputError
 from workbench.track.sqlite_template import seed
 
 SERVER_COMMAND = "python -m workbench.track.server start"

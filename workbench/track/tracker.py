@@ -256,7 +256,7 @@ def reading_client(uri: str) -> Any:
     not exist is bad input, not a new empty store to create (and log about)."""
     from pathlib import Path
 
-    from workbench.cli import InputError
+    from workbench.errors import InputError
     from workbench.track.store import client
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():

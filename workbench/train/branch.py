@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from workbench.config import ConfigError, RunConfig
+from workbench.config import RunConfig
+from workbench.errors import ConfigError
 from workbench.job import JOB_NAME, Job
 
 _WHOLE = re.compile(r"step_(\d{8})\.pt$")

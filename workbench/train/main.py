@@ -1,4 +1,4 @@
-"""The one rank entry point: `python -m workbench.train JOB_FILE`.
+"""What every rank runs: `run_job` (called by `python -m workbench.train JOB_FILE`).
 
 Every launcher (local, torchrun, Slurm) ends here with the same job file; the code below never
 knows how it was started. World size and rank come from the environment torchrun or Slurm set.
@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
-from workbench.cli import guarded
 from workbench.config import compute_dtype
 from workbench.data.corpus import open_tokens
 from workbench.job import FINAL_METRICS, Job
@@ -153,16 +152,3 @@ class _progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-@guarded
-def main(argv: List[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m workbench.train JOB_FILE", file=sys.stderr)
-        return 2
-    run_job(Job.load(argv[0]))
-    return 0
-
-
-def entry(argv: Optional[List[str]] = None) -> None:
-    sys.exit(main(sys.argv[1:] if argv is None else argv))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from workbench.cli import InputError
+from workbench.errors import InputError
 
 _NAME = re.compile(r"step_(\d{8})\.pt$")
 
