@@ -194,14 +194,12 @@ def covered_by(block: Block) -> Optional[Block]:
 
 
 def make_clone(workdir: Path) -> Path:
-    """A folder laid out like a user's clone: the repository's scripts, ../shared beside it."""
+    """A folder laid out like a user's clone: the repository's scripts and data, nothing beside
+    it (every documented command runs from a clone alone)."""
     root = workdir / "clone"
     root.mkdir()
     for name in ("benchmarks", "slurm", "tracking", ".ci"):
         (root / name).symlink_to(REPO / name)
-    shared = REPO.parent / "shared"
-    if shared.is_dir():
-        (workdir / "shared").symlink_to(shared)
     return root
 
 

@@ -1,7 +1,7 @@
 """The README is a contract: every fenced ```bash block in it runs here, as a user would type it.
 
 A block runs as one bash script (top to bottom, `set -e`) in a fresh folder laid out like a
-clone (benchmarks/, slurm/ and tracking/ linked from the repository, ../shared beside it),
+clone (benchmarks/, slurm/ and tracking/ linked from the repository, nothing beside it),
 writing its MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus
 cache.
 At CPU scale: `python -m workbench.run` gets a few steps (of 4 sequences unless it sets the
