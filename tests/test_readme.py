@@ -1,4 +1,5 @@
-"""The README is a contract: every fenced ```bash block in it runs here, as a user would type it.
+"""The README is a contract: every fenced ```bash block in it runs here, as a user would type it
+(as does every block of a page of the manual, docs/*.md; test ids name the document and line).
 
 A block runs as one bash script (top to bottom, `set -e`) in a fresh folder laid out like a
 clone (benchmarks/, slurm/ and tracking/ linked from the repository, nothing beside it),
@@ -92,7 +93,7 @@ def test_readme_block_runs(block: Block, clone: Path):
         _compose_only(block, clone)
         return
     proc = run_block(block, clone)
-    assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stderr[-4000:]}"
 
 
 def test_a_covered_block_runs_first_in_the_block_that_covers_it():
