@@ -1,4 +1,4 @@
-"""Accuracy of the cost model on published measurements (shared/calibration/).
+"""Accuracy of the cost model on published measurements (benchmarks/calibration/).
 
 Prints, per source group: the median absolute percentage error of the figure the source prints
 (TFLOP/s per GPU, MFU, tokens/s per GPU or seconds per iteration); for every sweep of >= 5
@@ -383,8 +383,8 @@ def read_rows_loose(path: Path):
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--csv", type=Path, action="append", default=None,
-                   help="rows to score (repeatable; default: the shared published_layouts.csv "
-                        "and this project's benchmarks/calibration/*_layouts.csv)")
+                   help="rows to score (repeatable; default: published_layouts.csv and this "
+                        "project's other benchmarks/calibration/*_layouts.csv)")
     p.add_argument("--memory-csv", type=Path, default=None)
     p.add_argument("--interconnect", action="append", default=[], metavar="SOURCE=TEXT",
                    help="what-if: score SOURCE's rows as if their fabric were TEXT (as the CSV's "
@@ -394,12 +394,10 @@ def main(argv: list[str]) -> int:
     if bad := [x for x in args.interconnect if "=" not in x or not x.partition("=")[2]]:
         print(f"error: --interconnect {bad[0]!r}: expected SOURCE=TEXT", file=sys.stderr)
         return 2
-    paths = args.csv or [default_csv(), *sorted(PROJECT_CSV.glob("*_layouts.csv"))]
+    paths = args.csv or [default_csv(), *sorted(p for p in PROJECT_CSV.glob("*_layouts.csv")
+                                                if p != default_csv())]
     rows: list[dict[str, str]] = []
     for path in paths:
-        if path == default_csv() and not path.is_file() and not args.csv:
-            print(f"no shared calibration CSV at {path}; project rows only")
-            continue
         got = read_rows(path)[1]
         if path == default_csv() and FACTS_CSV.is_file():  # what this project found about them
             got, filled = apply_facts(got, read_rows_loose(FACTS_CSV)[1])

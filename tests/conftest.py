@@ -20,16 +20,11 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def shared_calibration_csv() -> Path:
-    """../shared/calibration/published_layouts.csv beside the clone: a test that reads it skips
-    without it, except under CI, where the clone always has it and its absence is a failure."""
-    from workbench.plan.validate import default_csv
-
-    path = default_csv()
-    if not path.is_file():
-        if in_ci():
-            pytest.fail(f"CI has shared/ beside the clone: {path} is missing")
-        pytest.skip("no shared/calibration beside the repository")
+def published_layouts_csv() -> Path:
+    """The published rows the planner is scored on (benchmarks/calibration/): part of the
+    repository, so a missing file is a failure, never a skip."""
+    path = REPO / "benchmarks" / "calibration" / "published_layouts.csv"
+    assert path.is_file(), f"{path} is missing"
     return path
 
 

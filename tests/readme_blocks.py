@@ -1,9 +1,11 @@
-"""The README's bash blocks as data: parsed, scaled to CPU size and run as a user would type them.
+"""The documented bash blocks as data (README.md, then every page of the manual, docs/*.md):
+parsed, scaled to CPU size and run as a user would type them.
 
 `tests/test_readme.py` runs every block, except that a feature's end-to-end test which would
 repeat a block's slow commands (a whole sweep, torchrun jobs) runs the block itself through
 `run_block` at its own scale and checks what the block left (`CLAIMED`), and a block that another
-block runs first in its own fresh clone is not run twice (`covered_by`): CI runs each command once.
+block runs first in its own fresh clone is not run twice (`covered_by`; the README's tour blocks
+are each the start of a block of the manual): CI runs each command once.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from typing import Dict, List, Optional
 from conftest import REPO
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"  # the manual: one page a topic, executed like the README
 TAGS = {"install", "ci", "slurm", "gpu", "network", "slow", "steps"}
 RUN_SMALL = ["train.steps=3", "train.eval_every=2", "train.warmup_steps=1",
              "train.eval_batches=1"]
 # 4 sequences a step unless the command sets the batch (gpt_small's 16 x 256 tokens cost ~7 s a
-# step here); 4 divides every data-parallel degree the README's runs use (at most 4 ranks).
+# step here); 4 divides every data-parallel degree the documented runs use (at most 4 ranks).
 RUN_BATCH = ["train.global_batch=4"]
 SWEEP_SMALL = ["train.steps=4", "train.eval_every=2", "train.warmup_steps=1",
                "train.eval_batches=1"]
@@ -54,14 +57,21 @@ class Block:
     line: int  # 1-based line of the opening fence
     tags: set[str]
     commands: list[str]  # continuation lines joined
+    doc: str = "README.md"  # the document, relative to the repository
 
     @property
     def id(self) -> str:
-        return f"L{self.line}"
+        return f"{self.doc}:L{self.line}"
 
 
-def blocks(text: str) -> list[Block]:
-    """Every ```bash block with the tags of the marker line before it."""
+def documents() -> list[Path]:
+    """README.md first (its first two blocks are the install and the test command that .ci/run
+    reads), then the manual's pages in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def blocks(text: str, doc: str = "README.md") -> list[Block]:
+    """Every ```bash block of one document with the tags of the marker line before it."""
     lines = text.splitlines()
     out, i = [], 0
     while i < len(lines):
@@ -75,7 +85,7 @@ def blocks(text: str) -> list[Block]:
             if m:
                 tags = set(m.group(1).split())
             end = lines.index("```", i + 1)
-            out.append(Block(i + 1, tags, _commands(lines[i + 1:end])))
+            out.append(Block(i + 1, tags, _commands(lines[i + 1:end]), doc))
             i = end
         i += 1
     return out
@@ -145,7 +155,8 @@ def _install_tail(cmd: str) -> str:
     return " && ".join(scaled(s) for s in keep)
 
 
-ALL = blocks(README.read_text())
+ALL = [b for path in documents()
+       for b in blocks(path.read_text(), str(path.relative_to(REPO)))]
 
 # A block whose slow command is also a feature's end-to-end test: that test runs the block
 # (`run_block`, at its own scale) and checks what it left, and test_readme does not run it again.
@@ -162,10 +173,12 @@ CLAIMED: Dict[str, str] = {
 
 
 def block_with(needle: str) -> Block:
-    """The one block with a command that starts with `needle`."""
-    found = [b for b in ALL if any(c.startswith(needle) for c in b.commands)]
+    """The one block with a command that starts with `needle`, in whichever document (a README
+    tour block that only repeats the start of the manual's block, `covered_by`, is not it)."""
+    found = [b for b in ALL
+             if any(c.startswith(needle) for c in b.commands) and covered_by(b) is None]
     if len(found) != 1:
-        raise LookupError(f"{len(found)} README blocks run {needle!r}")
+        raise LookupError(f"{len(found)} documented blocks run {needle!r}")
     return found[0]
 
 
@@ -182,26 +195,27 @@ def script_commands(block: Block, extra: List[str] = ()) -> List[str]:
 
 def covered_by(block: Block) -> Optional[Block]:
     """Another block that runs this one's commands first, in the same order, in its own fresh
-    clone: running this one too would repeat them exactly (the install block's main job is the
-    first command of the Running block)."""
-    mine = script_commands(block)
-    for other in ALL:
+    clone (itself, or through the feature's test that claims it): running this one too would
+    repeat them exactly. The install block's main job is the first command of the manual's
+    Running block; each tour block of the README is the start of a block of the manual (of two
+    equal blocks, the later one runs)."""
+    mine, at = script_commands(block), ALL.index(block)
+    for i, other in enumerate(ALL):
         theirs = script_commands(other) if not other.tags & {"ci", "gpu", "network"} else []
-        if other is not block and len(theirs) > len(mine) and theirs[:len(mine)] == mine \
-                and not claimed_by(other) and ("slurm" in other.tags) <= ("slurm" in block.tags):
+        longer = len(theirs) > len(mine) or (len(theirs) == len(mine) and i > at)
+        if other is not block and longer and theirs[:len(mine)] == mine \
+                and ("slurm" in other.tags) <= ("slurm" in block.tags):
             return other
     return None
 
 
 def make_clone(workdir: Path) -> Path:
-    """A folder laid out like a user's clone: the repository's scripts, ../shared beside it."""
+    """A folder laid out like a user's clone: the repository's scripts and data, nothing beside
+    it (every documented command runs from a clone alone)."""
     root = workdir / "clone"
     root.mkdir()
     for name in ("benchmarks", "slurm", "tracking", ".ci"):
         (root / name).symlink_to(REPO / name)
-    shared = REPO.parent / "shared"
-    if shared.is_dir():
-        (workdir / "shared").symlink_to(shared)
     return root
 
 

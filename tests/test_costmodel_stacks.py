@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import benchmark_module, shared_calibration_csv
+from conftest import benchmark_module, published_layouts_csv
 
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
@@ -298,7 +298,7 @@ def test_found_facts_fill_only_what_a_shared_row_leaves_empty() -> None:
     assert out[1]["interconnect"] == "8x200Gb/s HDR per node" and out[2] == rows[2]
     assert apply_facts(out, [kernel])[0][0]["notes"] == "1D FSDP2; fused-rmsnorm"
     assert rows[0]["interconnect"] == ""  # the caller's rows are not changed
-    shared = shared_calibration_csv()
+    shared = published_layouts_csv()
     accuracy = benchmark_module("costmodel_accuracy")
     facts = accuracy.read_rows_loose(accuracy.FACTS_CSV)[1]
     published = read_rows(shared)[1]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import shared_calibration_csv
+from conftest import published_layouts_csv
 
 from workbench.cli import guarded
 from workbench.config import CONF_DIR
@@ -79,7 +79,7 @@ def test_validate_never_crashes_on_a_row(tmp_path) -> None:
 
 
 def test_validate_published_file_when_present(tmp_path) -> None:
-    shared_calibration_csv()
+    published_layouts_csv()
     out = tmp_path / "pub.csv"
     assert validate.main(["--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))

@@ -1,7 +1,8 @@
-"""The README is a contract: every fenced ```bash block in it runs here, as a user would type it.
+"""The README and the manual (docs/*.md) are a contract: every fenced ```bash block in them runs
+here, as a user would type it (test ids name the document and line: `docs/planner.md:L40`).
 
 A block runs as one bash script (top to bottom, `set -e`) in a fresh folder laid out like a
-clone (benchmarks/, slurm/ and tracking/ linked from the repository, ../shared beside it),
+clone (benchmarks/, slurm/ and tracking/ linked from the repository, nothing beside it),
 writing its MLflow store there (./mlflow.db, as a user's run does) and sharing the tests' corpus
 cache.
 At CPU scale: `python -m workbench.run` gets a few steps (of 4 sequences unless it sets the
@@ -9,7 +10,8 @@ batch), benchmarks get their smallest arguments (`SMALL` in readme_blocks.py); n
 changed. A block whose slow command is also a feature's end-to-end test (`CLAIMED`: the two
 sweeps, the torchrun jobs, the cost model's fabric what-if) is run by that test, at its
 scale, with its checks on what the block left; a block whose commands another block runs
-first, in the same order, in its own fresh clone, is not run twice (`covered_by`). A marker line
+first, in the same order, in its own fresh clone, is not run twice (`covered_by`: the install
+block, and the README's tour, each of whose blocks opens a block of the manual). A marker line
 `<!-- readme: TAG ... -->` right before a block says what it needs:
 
 - `install`: the first command; its install steps are what .ci/run (and the wheel test) do, so
@@ -18,7 +20,9 @@ first, in the same order, in its own fresh clone, is not run twice (`covered_by`
 - `slurm`: runs under the slurm marker (the local cluster of slurm/);
 - `gpu`, `network`: composed but not run (no GPU, no network here): every `workbench.run` /
   `workbench.plan` command in it must compose, and every other command must answer --help;
-- `slow`: marked slow (CI still runs it).
+- `slow`: marked slow (CI still runs it);
+- `steps`: the block's own `train.steps` are kept (its later commands use the checkpoints of its
+  earlier ones).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from conftest import REPO, in_ci
 from readme_blocks import (
     ALL,
     CLAIMED,
+    DOCS,
     README,
     TAGS,
     Block,
@@ -44,6 +49,9 @@ from readme_blocks import (
     run_block,
 )
 
+README_MAX_LINES = 260  # a front door: what it is, the two commands, a tour, links into docs/
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # a markdown link's target
+
 
 def test_readme_has_blocks_and_known_tags():
     assert len(ALL) >= 8
@@ -51,6 +59,9 @@ def test_readme_has_blocks_and_known_tags():
         assert b.tags <= TAGS, (b.id, b.tags - TAGS)
         assert b.commands, f"empty block at {b.id}"
     assert [b.tags for b in ALL[:2]] == [{"install"}, {"ci"}]
+    assert [b.doc for b in ALL[:2]] == ["README.md"] * 2
+    assert not any(b.tags & {"install", "ci"} for b in ALL[2:])
+    assert {b.doc for b in ALL} >= {"README.md", "docs/running.md", "docs/planner.md"}
     ci = (REPO / ".ci" / "run").read_text()
     assert "test-command" in ci and "<!-- test-command -->" in README.read_text()
 
@@ -92,13 +103,19 @@ def test_readme_block_runs(block: Block, clone: Path):
         _compose_only(block, clone)
         return
     proc = run_block(block, clone)
-    assert proc.returncode == 0, f"README {block.id} failed:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stderr[-4000:]}"
 
 
 def test_a_covered_block_runs_first_in_the_block_that_covers_it():
+    """The install block's main job opens the manual's Running block and every tour block of the
+    README opens a block of the manual, so the README adds no run of its own; no block of the
+    manual repeats another's."""
     covered = {b.id: covered_by(b).id for b in ALL if "ci" not in b.tags and covered_by(b)}
     running = block_with("python -m workbench.run model=gpt_small")  # the Running section's
-    assert covered == {ALL[0].id: running.id}, covered
+    assert covered[ALL[0].id] == running.id, covered
+    tour = [b.id for b in ALL if b.doc == "README.md" and "ci" not in b.tags]
+    assert len(tour) >= 7 and set(covered) == set(tour), covered
+    assert not any(target.startswith("README.md") for target in covered.values()), covered
 
 
 def test_claimed_blocks_are_run_by_their_tests():
@@ -111,13 +128,52 @@ def test_claimed_blocks_are_run_by_their_tests():
             "block = block_with(", "run_block(block_with("), (needle, path)
 
 
+def _local_links(doc: Path) -> list[tuple[Path, str]]:
+    """The files a document links to, each with its #anchor ("" for none); web addresses and
+    mail left out, an in-page anchor taken as a link to the document itself."""
+    out = []
+    for target in LINK.findall(doc.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        out.append(((doc.parent / path).resolve() if path else doc.resolve(), anchor))
+    return out
+
+
+def _anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped,
+    spaces as hyphens."""
+    prose = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)  # not code comments
+    heads = re.findall(r"^#+ (.+)$", prose, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_the_readme_is_a_front_door_whose_links_resolve():
+    """At most README_MAX_LINES lines; every file the README or a page of the manual links to
+    exists, and every anchor into a markdown file names one of its headings; every page of the
+    manual is reached from the README or from docs/README.md."""
+    assert len(README.read_text().splitlines()) <= README_MAX_LINES
+    pages = sorted(DOCS.glob("*.md"))
+    for doc in [README, *pages]:
+        for target, anchor in _local_links(doc):
+            assert target.exists(), (doc.name, str(target))
+            assert not anchor or target.suffix != ".md" or anchor in _anchors(target), \
+                (doc.name, f"{target.name}#{anchor}")
+    index = DOCS / "README.md"
+    readme_links = {t for t, _ in _local_links(README)}
+    assert index.resolve() in readme_links
+    reached = readme_links | {t for t, _ in _local_links(index)}
+    assert [p.name for p in pages if p != index and p.resolve() not in reached] == []
+
+
 def test_reading_the_code_lists_every_module_once():
-    text = README.read_text()
-    section = text[text.index("## Reading the code"):]
-    section = section[:section.index("\n## ", 1)]
+    section = (DOCS / "reading-the-code.md").read_text()
     listed = re.findall(r"^- `(workbench/[\w/.]+)`", section, flags=re.M)
     modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "workbench").rglob("*.py")
                      if p.stat().st_size > 0)
     assert sorted(x for x in listed if x.endswith(".py")) == modules
     assert len(listed) == len(set(listed))
     assert all((REPO / x).exists() for x in listed)
+    # the files the README and this page point a first reader to exist too
+    named = re.findall(r"`(workbench/[\w/.]+)`", section + README.read_text())
+    assert [x for x in named if not (REPO / x).exists()] == []

@@ -1,6 +1,6 @@
 """`python -m workbench.plan.validate --csv IN --out OUT`: predict published training runs.
 
-Reads rows in the schema of shared/calibration/published_layouts.csv and writes every input
+Reads rows in the schema of benchmarks/calibration/published_layouts.csv and writes every input
 column plus the predictions. A row that cannot be estimated (unknown GPU, missing degree) gets
 its reason in `pred_error` instead of stopping the file: one bad row must not hide the others.
 """
@@ -37,10 +37,11 @@ PRED_COLUMNS = ("pred_step_time_s", "pred_tokens_per_s_per_gpu", "pred_tflops_pe
 
 
 def default_csv() -> Path:
-    """shared/calibration/published_layouts.csv beside the repository (the CI clone layout)."""
+    """benchmarks/calibration/published_layouts.csv of this checkout: the published rows live in
+    the repository, so a clone alone runs every documented command."""
     import workbench
 
-    return Path(workbench.__file__).resolve().parents[1].parent / "shared" / "calibration" / \
+    return Path(workbench.__file__).resolve().parents[1] / "benchmarks" / "calibration" / \
         "published_layouts.csv"
 
 
@@ -337,7 +338,7 @@ def main(argv: list[str]) -> int:
     p = ArgParser(prog="python -m workbench.plan.validate",
                 description="Predict every row of a published-layouts CSV.")
     p.add_argument("--csv", type=Path, default=None,
-                   help="input rows (default: ../shared/calibration/published_layouts.csv)")
+                   help="input rows (default: benchmarks/calibration/published_layouts.csv)")
     p.add_argument("--out", type=Path, required=True, help="output CSV")
     args = p.parse_args(argv)
     header, rows = read_rows(args.csv or default_csv())
