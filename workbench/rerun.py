@@ -14,11 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from omegaconf import OmegaConf
-
 from workbench.cli import guarded
-from workbench.config import RunConfig, TrackingConfig
-from workbench.config_rules import validate
+from workbench.compose import from_recorded
+from workbench.config import TrackingConfig
 from workbench.data.corpus import load as load_data
 from workbench.errors import InputError
 from workbench.launch import world_size
@@ -71,12 +69,9 @@ def main(argv: List[str]) -> int:
 
     check_reachable(tracking.resolved_uri())  # a server that does not answer: one line, now
     old = fetch_manifest(tracking, run_id)
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig),
-                             OmegaConf.create(old["config_yaml"]))
-    cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    cfg = from_recorded(old["config_yaml"], f"the manifest of run {run_id}")
     cfg.train.run_dir = ""  # a new run folder; the original stays untouched
     cfg.tracking.uri = tracking.uri or cfg.tracking.uri
-    validate(cfg)
     check_tracking(cfg)
     current = manifests.build(old["config_yaml"], old.get("overrides", []), cfg.train.seed,
                               load_data(cfg.data).fingerprint)

@@ -62,6 +62,7 @@ def start(sw: Sweep) -> None:
                             {"wb.sweep": sweep.name, "wb.sweep_role": "parent",
                              "wb.launcher": sw.cfg.launcher.name})
         st.create({"sweep": asdict(sweep), "base_overrides": sw.base_overrides,
+                   "base_config": OmegaConf.to_container(sw.base, resolve=True),
                    "world_size": sw.world_size, "budget": budget(sweep),
                    "objectives": [asdict(o) for o in sw.objectives],
                    "launcher": sw.cfg.launcher.name, "tracking_uri": sw.uri,

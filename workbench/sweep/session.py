@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from workbench.compose import compose_dict, to_run_config
+from workbench.compose import compose_dict, recorded_dict, to_run_config
 from workbench.config import RunConfig
 from workbench.errors import ConfigError
 from workbench.launch import world_size
@@ -34,7 +34,7 @@ class Sweep:
     sweep: SweepConfig
     objectives: list[Objective]
     base: DictConfig  # composed run config (sweep section removed) every trial starts from
-    cfg: RunConfig
+    cfg: RunConfig  # `base` checked: what every trial shares
     base_overrides: list[str]
     state: SweepState
     world_size: int
@@ -83,15 +83,19 @@ def load(argv: list[str]) -> Sweep:
 
 
 def from_state(folder: Path) -> Sweep:
-    """Reopen a sweep from its plan.json (for status/collect): the recorded sweep config and base
-    overrides, not the live conf/, define it."""
+    """Reopen a sweep from its plan.json (for status/collect): the recorded sweep config and
+    base config, not the live conf/, define it (a plan written before the base config was
+    recorded is composed again from its base overrides)."""
     state = SweepState.load(folder)
     plan = state.plan
     sweep = parse_sweep({k: v for k, v in plan["sweep"].items()})
     sweep.resume = True
-    base = compose_dict(sweep.overrides + plan["base_overrides"]).copy()
-    base.sweep = None
-    cfg = to_run_config(base)
+    if "base_config" in plan:
+        base = recorded_dict(plan["base_config"], str(state.plan_path))
+    else:
+        base = compose_dict(sweep.overrides + plan["base_overrides"]).copy()
+        base.sweep = None
+    cfg = to_run_config(base, str(state.plan_path))
     if plan.get("tracking_uri"):
         cfg.tracking.uri = plan["tracking_uri"]
     return Sweep(sweep, objectives(sweep), base, cfg, plan["base_overrides"], state,
