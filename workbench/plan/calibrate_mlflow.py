@@ -19,6 +19,7 @@ from workbench.layout import Layout
 from workbench.plan.costmodel import software_for
 from workbench.plan.hardware import match_gpu
 from workbench.plan.validate import Case
+from workbench.track.store import client as mlflow_client
 
 PRED_KEY, MEASURED_KEY = "pred/step_time_s", "step_time_s"
 SECTIONS = ("model", "train", "cluster")  # the params a case is built from
@@ -67,11 +68,8 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
     import logging
 
     try:
-        from workbench.track.store import client as store_client
-
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep errors to one line
-
-        client = store_client(uri, create=False)
+        client = mlflow_client(uri, create=False)
         if experiment:
             exp = client.get_experiment_by_name(experiment)
             if exp is None:

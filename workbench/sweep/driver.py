@@ -34,6 +34,7 @@ from workbench.sweep.space import (
     use_grid,
 )
 from workbench.sweep.state import SweepState, TrialRecord, open_study
+from workbench.track.store import client
 
 PREPARE_THREADS_HTTP = 8  # trials prepared at once against a tracking server (prepare_threads)
 MAX_ATTEMPTS = 3  # a local trial whose process vanished is restarted (it resumes) this often
@@ -270,7 +271,7 @@ def poll(sw: Sweep) -> int:
     running = sw.state.with_status("submitted")
     if not running:
         return 0
-    c = report.client(sw.uri)
+    c = client(sw.uri)
     ended = sw.backend.ended(running)
     statuses = report.run_statuses(c, sw.state.plan["parent_run_id"],
                                    [r.run_id for r in running if r.run_id])
