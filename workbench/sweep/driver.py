@@ -48,6 +48,7 @@ def start(sw: Sweep) -> None:
     st, sweep = sw.state, sw.sweep
     array = sweep.parallelism if sw.cfg.launcher.name == "slurm" else 1
     check_tracking(sw.cfg, array)  # before any state, run or job exists
+    sw.backend = make_backend(sw.cfg, st.folder, sweep.name, sweep.parallelism)  # likewise
     if st.exists():
         if not sweep.resume:
             raise ConfigError("sweep.resume", False, f"{st.folder} already holds this sweep; "
@@ -71,7 +72,6 @@ def start(sw: Sweep) -> None:
     sampler = _sampler(sweep)
     sw.study = open_study(sweep.storage or st.study_path, sweep.name,
                           [o.direction for o in sw.objectives], sampler)
-    sw.backend = make_backend(sw.cfg, st.folder, sweep.name, sweep.parallelism)
     recover(sw)
 
 
