@@ -53,6 +53,25 @@ def test_a_store_that_cannot_be_created_is_one_line(workdir, capsys):
         client(f"sqlite:///{workdir}/a_file/mlflow.db")
 
 
+def test_one_client_factory_finds_and_checks_the_store_the_same_way(workdir, monkeypatch):
+    """Every reader and writer gets its MLflow client from track.store.client: no URI means
+    $MLFLOW_TRACKING_URI (else ./mlflow.db); a reader is refused a sqlite store that does not
+    exist (nothing created, not even a lock) and a server that does not answer, in one line."""
+    from workbench.errors import ConfigError, InputError
+    from workbench.track.store import client
+
+    with pytest.raises(InputError, match="no MLflow store there"):
+        client(create=False)
+    assert list(workdir.iterdir()) == []
+    assert client().tracking_uri == os.environ["MLFLOW_TRACKING_URI"]  # a writer makes it
+    assert client(create=False).tracking_uri == os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert client(create=False).tracking_uri == f"sqlite:///{workdir / 'mlflow.db'}"
+    with pytest.raises(ConfigError, match="no tracking server answers there") as e:
+        client("http://127.0.0.1:9", create=False)  # the discard port: nothing listens
+    assert e.value.key == "tracking.uri" and "\n" not in str(e.value)
+
+
 def test_bad_sweep_storage_is_one_line(workdir, capsys):
     err = _one_line_exit_2(["+sweep=seeds", "sweep.storage=/tmp/study.db"], capsys)
     assert err.startswith("error: sweep.storage=") and "postgresql://" in err, err

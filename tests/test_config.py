@@ -86,6 +86,40 @@ def test_cli_bad_input_exits_2_with_one_line(workdir: Path):
     assert not (workdir / "mlflow.db").exists()  # nothing recorded for a rejected run
 
 
+@pytest.mark.parametrize("override,key", [
+    ("model.foo=1", "model.foo"),
+    ("model.n_layers=abc", "model.n_layers"),
+    ("train.steps=-1", "train.steps"),
+    ("model.n_heads=7", "model.n_heads"),
+    ("lowrank.mode=sometimes", "lowrank.mode"),
+])
+def test_a_recorded_config_is_checked_like_a_composed_one(tmp_path, capsys, override, key):
+    """A job file edited (or written by another version) into a config the command line
+    refuses is refused the same way when a rank reads it: one line naming the key and the
+    file, exit 2, before anything trains."""
+    import json
+
+    from workbench.cli import guarded
+    from workbench.job import Job, config_dict
+    from workbench.train.__main__ import main as train_main
+
+    recorded = config_dict(compose(["tracking=none"]))
+    job = Job(config=recorded, layout="single", run_dir=str(tmp_path))
+    assert job.run_config() == compose(["tracking=none"])
+    name, value = override.split("=")
+    section, field = name.split(".")
+    recorded[section][field] = json.loads(value) if value.lstrip("-").isdigit() else value
+    path = Job(config=recorded, layout="single", run_dir=str(tmp_path)).save()
+    with pytest.raises(ConfigError) as e:
+        Job.load(path).run_config()
+    assert str(e.value).startswith(f"{key}=") and str(path) in str(e.value), str(e.value)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        guarded(train_main)([str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err.startswith(f"error: {key}=") and "\n" not in err, err
+
+
 @pytest.mark.parametrize("option", ["gpt_tiny", "gpt_small"])
 def test_meta_and_direct_builds_give_bitwise_equal_weights(option, monkeypatch):
     """Small models skip the meta device (its first use costs seconds); both paths must draw

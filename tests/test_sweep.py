@@ -208,3 +208,68 @@ def test_sweep_config_schema_and_space():
     assert budget(grid) == 2
     with pytest.raises(ConfigError, match="sweep.space.train.lr"):
         params(parse_sweep({"name": "x", "space": {"train": {"lr": ["fast"]}}}))
+
+
+# `+sweep=lowrank_vs_fullrank` at test scale: two modes, one rank each, as local processes
+LOWRANK = ["+sweep=lowrank_vs_fullrank", "sweep.overrides=['train.threads=1']",
+           "sweep.space.lowrank.mode=[off,fixed]", "sweep.parallelism=2", "sweep.poll_s=0.5",
+           "model.n_layers=2", "model.hidden=64", "model.ffn_hidden=256", "model.seq_len=64",
+           "train.steps=12", "train.global_batch=4", "train.micro_batch=4",
+           "train.warmup_steps=2", "train.eval_every=6", "train.eval_batches=1",
+           "train.ckpt_every=100", "data.max_bytes=300000", "lowrank.keep_first_blocks=0",
+           "lowrank.keep_last_blocks=0"]
+
+
+@pytest.mark.slow
+def test_a_detached_comparison_sweep_gets_its_comparison_from_collect(workdir):
+    """`sweep.detach=true` on local processes: the driver starts both trials (in sessions of
+    their own) and returns before either ends; `collect --wait` then drives the same loop as
+    an attached driver, so once the last trial ends the parent run gets the low-rank
+    comparison report and its numbers, and is closed."""
+    from mlflow.tracking import MlflowClient
+
+    detached = cli("workbench.run", [*LOWRANK, "sweep.detach=true"], workdir, timeout=300)
+    assert detached.returncode == 0, detached.stderr[-3000:]
+    assert "python -m workbench.sweep collect lowrank_vs_fullrank" in detached.stdout
+    folder = workdir / "sweeps" / "lowrank_vs_fullrank"
+    plan = json.loads((folder / "plan.json").read_text())
+    trials = json.loads((folder / "trials.json").read_text())
+    assert len(trials) == 2 and all(t["job_id"].startswith("pid:") for t in trials.values())
+    assert plan["base_config"]["train"]["steps"] == 12 and "finished" not in plan
+    c = MlflowClient()
+    parent = plan["parent_run_id"]
+    assert c.list_artifacts(parent, "report") == []  # nothing to compare yet
+
+    done = cli("workbench.sweep", ["collect", "lowrank_vs_fullrank", "--wait"], workdir,
+               timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = json.loads((folder / "trials.json").read_text())
+    assert sorted(t["status"] for t in trials.values()) == ["complete", "complete"], trials
+    assert "| off |" in done.stdout and "| fixed |" in done.stdout  # the report's table
+    files = {f.path for f in c.list_artifacts(parent, "report")}
+    assert {"report/report.md", "report/report.html", "report/loss_vs_tokens.png",
+            "report/dp_scaling.png"} <= files, files
+    run = c.get_run(parent)
+    assert {"off/final_val_loss", "fixed/final_val_loss",
+            "fixed/val_loss_gap_pct"} <= set(run.data.metrics), run.data.metrics
+    assert run.info.status == "FINISHED"
+    assert "finished" in json.loads((folder / "plan.json").read_text())
+
+
+def test_resuming_with_more_trials_raises_the_budget(workdir):
+    """`sweep.n_trials=N sweep.resume=true` continues a sweep with N trials in all: the budget
+    recorded in plan.json grows, and a comparison written at its old end is written again."""
+    from workbench.sweep.session import load, start
+    from workbench.sweep.state import SweepState
+
+    args = [*SEEDS, "sweep.space.train.seed=[1,2,3]"]
+    first = load([*args, "sweep.n_trials=1"])
+    start(first)
+    first.state.unlock()
+    first.state.plan["finished"] = "then"
+    first.state.save_plan()
+    more = load([*args, "sweep.n_trials=3", "sweep.resume=true"])
+    start(more)
+    more.state.unlock()
+    plan = SweepState.load(workdir / "sweeps" / "seeds").plan
+    assert plan["budget"] == 3 and plan["sweep"]["n_trials"] == 3 and "finished" not in plan

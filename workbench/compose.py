@@ -1,5 +1,7 @@
 """Composition of the run config from the config groups plus overrides, checked into a typed
-`RunConfig`: every error is a ConfigError naming the key.
+`RunConfig`: every error is a ConfigError naming the key. A config rebuilt from what a run or
+sweep recorded goes through the same check (`from_recorded`), so the code never runs a recorded
+config it would refuse on the command line.
 
 Hydra's compose API is used instead of @hydra.main so that the working folder, logging and exit
 codes stay ours (a run writes mlflow.db where the user stands, and exit 2 means bad input).
@@ -8,13 +10,18 @@ codes stay ours (a run writes mlflow.db where the user stands, and exit 2 means 
 from __future__ import annotations
 
 import re
-from typing import List, Sequence
+from dataclasses import fields, is_dataclass
+from typing import Any, List, Mapping, Sequence, Type, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from workbench.config import CONF_DIR, RunConfig, register
 from workbench.config_rules import validate
 from workbench.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def compose_dict(overrides: Sequence[str]) -> DictConfig:
@@ -22,7 +29,6 @@ def compose_dict(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-    from omegaconf.errors import OmegaConfBaseException
 
     register()
     _parse_each(overrides)
@@ -66,10 +72,16 @@ def _parse_each(overrides: Sequence[str]) -> None:
                               f"cannot parse the value ({_first_line(str(e))})") from None
 
 
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """The typed config (a RunConfig instance), validated across fields."""
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+def to_run_config(cfg: DictConfig, source: str = "") -> RunConfig:
+    """The typed config (a RunConfig instance), validated across fields. `source` names where a
+    recorded config was read, so its error says which file or run holds the bad value."""
+    try:
+        return _checked(cfg)
+    except ConfigError as e:
+        raise _located_in(e, source) from None
 
+
+def _checked(cfg: DictConfig) -> RunConfig:
     _reject_unknown_keys(cfg)
     try:
         run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
@@ -82,10 +94,52 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run
 
 
+def recorded_dict(data: Mapping[str, Any] | str, source: str) -> DictConfig:
+    """Recorded plain data (or its YAML text) laid over the schema: a DictConfig typed like a
+    composed one, which trial parameters update the same way. A key newer than the record reads
+    as its schema default; a key the schema no longer has, or a value of the wrong type, is a
+    ConfigError naming the key and `source`."""
+    return typed_dict(RunConfig, data, source)
+
+
+def from_recorded(data: Mapping[str, Any] | str, source: str) -> RunConfig:
+    """The one way a RunConfig is rebuilt from recorded data (a job file's resolved config, a
+    manifest's config_yaml, a sweep's stored base config, an MLflow run's params): checked
+    exactly like a composed one, so what a rank trains, a rerun repeats or a calibration reads
+    is a config the command line would have accepted."""
+    return to_run_config(recorded_dict(data, source), source)
+
+
+def typed_dict(schema: type, data: Mapping[str, Any] | str, source: str) -> DictConfig:
+    """`data` over the structured `schema` (a RunConfig or one of its sections)."""
+    try:
+        raw = OmegaConf.create(data) if isinstance(data, str) else data
+    except yaml.YAMLError as e:
+        raise ConfigError(source, "", f"not YAML ({_first_line(str(e))})") from None
+    except OmegaConfBaseException as e:
+        raise _located_in(_hydra_error(e), source) from None
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), raw)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise _located_in(_hydra_error(e), source) from None
+
+
+def typed(schema: Type[T], data: Mapping[str, Any] | str, source: str) -> T:
+    """One section of a config (a cluster or model YAML outside Hydra) as its dataclass; the
+    rules across sections need a whole RunConfig (`from_recorded`)."""
+    merged = typed_dict(schema, data, source)
+    try:
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise _located_in(_hydra_error(e), source) from None
+
+
+def _located_in(e: ConfigError, source: str) -> ConfigError:
+    return ConfigError(e.key, e.value, f"{e.valid} (in {source})") if source else e
+
+
 def _reject_unknown_keys(cfg: DictConfig) -> None:
     """`+key=value` bypasses the schema's struct flag; a key the schema lacks is still a typo."""
-    from dataclasses import fields, is_dataclass
-
     def walk(node: DictConfig, schema, prefix: str) -> None:
         known = {f.name: f for f in fields(schema)}
         for key in node.keys():
@@ -159,8 +213,6 @@ def _hydra_error(e: Exception) -> ConfigError:
 
 
 def _valid_keys(key: str) -> str:
-    from dataclasses import fields, is_dataclass
-
     section = key.lstrip("+").split(".")[0]
     schema = {f.name: f.type for f in fields(RunConfig)}
     if section == "sweep":

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import yaml
-from omegaconf import OmegaConf
 
+from workbench.compose import from_recorded
 from workbench.config import RunConfig
 from workbench.layout import Layout
 
@@ -37,8 +37,9 @@ class Job:
     tags: Dict[str, str] = field(default_factory=dict)
 
     def run_config(self) -> RunConfig:
-        base = OmegaConf.structured(RunConfig)
-        return OmegaConf.to_object(OmegaConf.merge(base, self.config))  # type: ignore
+        """The recorded config, checked as on the command line: a job file the code would no
+        longer accept fails here, naming the key and this file, before any rank trains."""
+        return from_recorded(self.config, str(self.path))
 
     def the_layout(self) -> Layout:
         return Layout.from_key(self.layout)

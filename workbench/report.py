@@ -26,8 +26,8 @@ from typing import Any
 from workbench.cli import ArgParser, guarded
 from workbench.compare import SEED, SEED_COLUMNS, labels, seed_rows
 from workbench.errors import InputError
-from workbench.places import SWEEPS_DIR, tracking_uri
-from workbench.track.tracker import reading_client
+from workbench.places import SWEEPS_DIR
+from workbench.track.store import client
 
 SERIES = ("loss", "val_loss", "tokens_per_s", "comm/bytes_per_step", "params/trainable",
           "step_time_s", "lowrank/switch_step", "lowrank/switch_forced")
@@ -73,14 +73,6 @@ class RunData:
             return math.nan
         last = pts[-max(1, len(pts) // 4):]
         return float(statistics.median(v for _, v, _ in last))
-
-
-def client(uri: str | None = None):
-    from mlflow.tracking import MlflowClient
-
-    from workbench.track.store import client as store_client
-
-    return store_client(uri, create=False) if uri else MlflowClient()
 
 
 def resolve(c: Any, args: Sequence[str], sweeps_dir: str = SWEEPS_DIR) -> list[str]:
@@ -379,7 +371,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--parent", default="", help="log the report as artifacts of this run")
     ap.add_argument("--sweeps-dir", default=SWEEPS_DIR)
     a = ap.parse_args(argv)
-    c = reading_client(tracking_uri(a.uri))
+    c = client(a.uri, create=False)
     if a.parent:
         _known_run(c, a.parent, "--parent")
     ids = resolve(c, a.runs, a.sweeps_dir)

@@ -14,30 +14,29 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from omegaconf import OmegaConf
-
 from workbench.cli import guarded
-from workbench.config import RunConfig, TrackingConfig
-from workbench.config_rules import validate
+from workbench.compose import from_recorded
+from workbench.config import TrackingConfig
 from workbench.data.corpus import load as load_data
 from workbench.errors import InputError
 from workbench.launch import world_size
 from workbench.submit import launch, prepare_job, summary
 from workbench.track import manifest as manifests
-from workbench.track.tracker import reading_client
+from workbench.track.store import check_tracking, client
 
 
 def fetch_manifest(tracking: TrackingConfig, run_id: str) -> dict:
+    """The run's recorded manifest (its resolved config among it)."""
     from mlflow.exceptions import MlflowException
 
-    client = reading_client(tracking.resolved_uri())
+    c = client(tracking.resolved_uri(), create=False)
     try:
-        client.get_run(run_id)
+        c.get_run(run_id)
     except MlflowException:
         raise InputError(f"run_id={run_id!r}: no such run in {tracking.resolved_uri()}") from None
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            path = client.download_artifacts(run_id, "manifest/manifest.json", tmp)
+            path = c.download_artifacts(run_id, "manifest/manifest.json", tmp)
         except (MlflowException, OSError):
             raise InputError(f"run_id={run_id!r}: has no manifest/manifest.json artifact; "
                              "it was not recorded by workbench.run") from None
@@ -67,16 +66,10 @@ def main(argv: List[str]) -> int:
         if key != "tracking.uri":
             raise InputError(f"{ov}: only tracking.uri=URI may follow the run id")
         tracking.uri = value
-    from workbench.track.store import check_reachable, check_tracking
-
-    check_reachable(tracking.resolved_uri())  # a server that does not answer: one line, now
-    old = fetch_manifest(tracking, run_id)
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig),
-                             OmegaConf.create(old["config_yaml"]))
-    cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    old = fetch_manifest(tracking, run_id)  # a store missing or silent: one line, now
+    cfg = from_recorded(old["config_yaml"], f"the manifest of run {run_id}")
     cfg.train.run_dir = ""  # a new run folder; the original stays untouched
     cfg.tracking.uri = tracking.uri or cfg.tracking.uri
-    validate(cfg)
     check_tracking(cfg)
     current = manifests.build(old["config_yaml"], old.get("overrides", []), cfg.train.seed,
                               load_data(cfg.data).fingerprint)

@@ -1,4 +1,8 @@
-"""Launchers: how the ranks of a job start. Each ends in `python -m workbench.train JOB_FILE`."""
+"""Launchers: how the ranks of a job start. Each ends in `python -m workbench.train JOB_FILE`.
+
+`launch` runs a job to its end (`workbench.run`); a sweep starts many without waiting: local and
+torchrun trials through their launcher's `start` (background processes, launch.process), Slurm
+trials as one array through `SlurmLauncher.submit_array`."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ def make_launcher(cfg: LauncherConfig) -> Launcher:
     if cfg.name == "local":
         from workbench.launch.local import LocalLauncher
 
-        return LocalLauncher()
+        return LocalLauncher(cfg)
     if cfg.name == "torchrun":
         from workbench.launch.torchrun import TorchrunLauncher
 

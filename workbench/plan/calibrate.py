@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from workbench.cli import ArgParser, guarded
+from workbench.compose import typed
 from workbench.config import CONF_DIR, ClusterConfig
 from workbench.errors import ConfigError, InputError
 from workbench.plan.coefficients import NAMES, Coefficients, coefficients
@@ -188,8 +189,7 @@ def _load_cluster(path: Path) -> ClusterConfig:
     except Exception as e:
         raise InputError(f"{path}: cannot parse ({e})") from None
     raw.pop("defaults", None)
-    merged = OmegaConf.merge(OmegaConf.structured(ClusterConfig), raw)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    return typed(ClusterConfig, raw, str(path))
 
 
 if __name__ == "__main__":

@@ -10,29 +10,32 @@ left out when there are others: it carries compilation and allocator warm-up).
 from __future__ import annotations
 
 import statistics
-from dataclasses import fields
+from dataclasses import asdict
 
-from workbench.config import ClusterConfig, ModelConfig, TrainConfig
+from workbench.compose import from_recorded
+from workbench.config import ClusterConfig, RunConfig
 from workbench.errors import ConfigError, InputError
 from workbench.layout import Layout
 from workbench.plan.costmodel import software_for
 from workbench.plan.hardware import match_gpu
 from workbench.plan.validate import Case
+from workbench.track.store import client as mlflow_client
 
 PRED_KEY, MEASURED_KEY = "pred/step_time_s", "step_time_s"
+SECTIONS = ("model", "train", "cluster")  # the params a case is built from
 
 
-def _typed(schema: type, params: dict[str, str], prefix: str):
-    """A config dataclass from the `prefix.*` params of a run, typed by its schema."""
-    from omegaconf import OmegaConf
-
-    values = {k[len(prefix) + 1:]: v for k, v in params.items()
-              if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1:]}
-    base = OmegaConf.structured(schema)
-    names = {f.name for f in fields(schema)}
-    known = {k: _container(v) for k, v in values.items() if k in names and v not in ("None", "")}
-    merged = OmegaConf.merge(base, {k: None if v == "null" else v for k, v in known.items()})
-    return OmegaConf.to_object(merged)
+def _recorded(params: dict[str, str], cluster: ClusterConfig, source: str) -> RunConfig:
+    """The run's config from its `model.*`, `train.*` and `cluster.*` params (what the cost
+    model reads; the cluster being calibrated fills what the run did not record), rebuilt and
+    checked as every recorded config is (compose.from_recorded)."""
+    nested: dict[str, dict] = {s: {} for s in SECTIONS}
+    nested["cluster"] = {k: v for k, v in asdict(cluster).items() if k != "coeff"}
+    for key, value in params.items():
+        section, _, name = key.partition(".")
+        if section in nested and name and "." not in name and value not in ("None", ""):
+            nested[section][name] = None if value == "null" else _container(value)
+    return from_recorded(nested, source)
 
 
 def _container(value: str):
@@ -65,11 +68,8 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
     import logging
 
     try:
-        from workbench.track.store import client as store_client
-
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep errors to one line
-
-        client = store_client(uri, create=False)
+        client = mlflow_client(uri, create=False)
         if experiment:
             exp = client.get_experiment_by_name(experiment)
             if exp is None:
@@ -94,11 +94,8 @@ def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
             if _accelerator(gpu) != _accelerator(cluster.gpu):
                 skipped.append(f"{rid}: GPU {gpu} is not {cluster.gpu}")
                 continue
-            model = _typed(ModelConfig, params, "model")
-            train = _typed(TrainConfig, params, "train")
-            run_cluster = _typed(ClusterConfig, {**{f"cluster.{k}": str(v) for k, v in
-                                                    vars(cluster).items() if k != "coeff"},
-                                                 **params}, "cluster")
+            run = _recorded(params, cluster, f"the params of run {rid}")
+            model, train, run_cluster = run.model, run.train, run.cluster
             layout = Layout.from_key(params["layout"])
         except (KeyError, ValueError, ConfigError, Exception) as e:
             skipped.append(f"{rid}: {type(e).__name__} {str(e)[:120]}")

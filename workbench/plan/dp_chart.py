@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from workbench.compose import typed
 from workbench.config import ModelConfig
 
 MEASURED = Path(__file__).with_name("dp_measured.json")
@@ -38,9 +39,8 @@ def load_model(name: str) -> ModelConfig:
 
     from workbench.config import CONF_DIR
 
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                             OmegaConf.load(Path(CONF_DIR) / "model" / f"{name}.yaml"))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    path = Path(CONF_DIR) / "model" / f"{name}.yaml"
+    return typed(ModelConfig, OmegaConf.load(path), str(path))
 
 
 def links() -> Dict[str, Any]:

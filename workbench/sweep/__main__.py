@@ -3,14 +3,14 @@
 status: read-only; the trial table from sweeps/NAME/ (Slurm states of trials still running).
 collect: tell Optuna every trial that ended since the last look, submit what a detached or killed
 driver left prepared, update the parent MLflow run and print the table; --wait keeps going
-until the budget is spent (the same as resuming the driver).
+until the budget is spent. It is the driver's own loop (driver.drive), so the sweep that ends
+in a collect gets what an attached driver gives it: the recipe's comparison on the parent run.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from workbench.cli import guarded
@@ -50,12 +50,7 @@ def main(argv: list[str]) -> int:
     sw = driver.from_state(folder)
     driver.start(sw)
     try:
-        while True:
-            driver.step(sw, ask_more=not sw.sweep.detach)
-            if not args.wait or driver.finished(sw):
-                break
-            time.sleep(sw.sweep.poll_s)
-        report.update_parent(sw.state, sw.uri, sw.objectives, finished=driver.finished(sw))
+        driver.drive(sw, wait=args.wait)
     finally:
         sw.state.unlock()
     print(report.table(sw.state, sw.objectives, rejected=args.rejected))

@@ -1,4 +1,6 @@
-"""How a sweep's trials run: as one Slurm job array per round, or as local processes.
+"""How a sweep's trials run: as one Slurm job array per round, or as local processes, started
+by the launchers (launch/slurm.py's arrays, launch/process.py's background ranks): a sweep has no
+way of starting ranks of its own.
 
 A backend only starts trials and says whether one has ended. Whether it succeeded, and its
 measured objectives, come from its MLflow run, which the trial itself closes: the run, not the
@@ -9,14 +11,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 from workbench.config import RunConfig
 from workbench.job import Job
-from workbench.launch.torchrun import command as torchrun_command
+from workbench.launch import make_launcher
 from workbench.sweep.state import TrialRecord
 
 # sacct states after which a Slurm job will not run again (REQUEUED/PENDING are not final).
@@ -28,6 +29,12 @@ class Backend(Protocol):
     def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]: ...
     def ended(self, records: Sequence[TrialRecord]) -> dict[int, str]: ...
     def wait_slots(self) -> int: ...
+
+
+class Starts(Protocol):
+    """A launcher that starts a job's ranks in the background (local, torchrun)."""
+
+    def start(self, job: Job) -> subprocess.Popen: ...
 
 
 class SlurmBackend:
@@ -63,30 +70,18 @@ class SlurmBackend:
 
 
 class ProcessBackend:
-    """launcher=local or torchrun: each trial is `python -m workbench.train JOB_FILE` (under
-    torchrun for several ranks) in its own session, so a killed driver does not kill its trials
-    and a resumed driver finds them by pid."""
+    """launcher=local or torchrun: each trial's ranks started in the background by its launcher
+    (launch.process: a session of their own, so a killed or detached driver leaves its trials
+    running and a later driver finds them by pid)."""
 
-    def __init__(self, cfg: RunConfig, parallelism: int):
-        self.cfg, self.parallelism = cfg, parallelism
+    def __init__(self, launcher: Starts, parallelism: int):
+        self.launcher, self.parallelism = launcher, parallelism
         self._procs: dict[int, subprocess.Popen] = {}
-
-    def command(self, job: Job) -> list[str]:
-        if self.cfg.launcher.name == "torchrun" and job.world_size > 1:
-            return torchrun_command(self.cfg.launcher.nproc_per_node, job.path)
-        return [sys.executable, "-m", "workbench.train", str(job.path)]
 
     def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]:
         ids = []
         for record, job in zip(records, jobs):
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            threads = job.run_config().train.threads  # its share (driver.candidate)
-            if threads:  # set before the trial (or its torchrun ranks) starts torch's pool
-                env["OMP_NUM_THREADS"] = str(threads)
-            with open(Path(job.run_dir) / "train.log", "ab") as log:
-                proc = subprocess.Popen(self.command(job), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        env=env)
+            proc = self.launcher.start(job)
             self._procs[record.number] = proc
             ids.append(f"pid:{proc.pid}")
         return ids
@@ -123,6 +118,8 @@ def _pid_alive(job_id: str) -> bool:
 
 
 def make_backend(cfg: RunConfig, folder: Path, name: str, parallelism: int) -> Backend:
+    """The trials' way to start: the launcher's own (its config checked here, before the sweep
+    records anything)."""
     if cfg.launcher.name == "slurm":
         return SlurmBackend(cfg, folder / "slurm", name, parallelism)
-    return ProcessBackend(cfg, parallelism)
+    return ProcessBackend(make_launcher(cfg.launcher), parallelism)  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,92 +22,14 @@ from workbench.compose import to_run_config
 from workbench.config import RunConfig
 from workbench.errors import ConfigError
 from workbench.launch import threads_per_rank
-from workbench.sweep import report
-from workbench.sweep.backends import make_backend
-from workbench.sweep.session import Sweep, from_state, load  # noqa: F401  (re-exported)
-from workbench.sweep.space import (
-    SweepConfig,
-    budget,
-    grid,
-    params,
-    use_grid,
-)
-from workbench.sweep.state import SweepState, TrialRecord, open_study
+from workbench.sweep import lowrank, mixture, report
+from workbench.sweep.session import Sweep, from_state, load, start  # noqa: F401  (re-exported)
+from workbench.sweep.space import params
+from workbench.sweep.state import TrialRecord
+from workbench.track.store import client
 
 PREPARE_THREADS_HTTP = 8  # trials prepared at once against a tracking server (prepare_threads)
 MAX_ATTEMPTS = 3  # a local trial whose process vanished is restarted (it resumes) this often
-
-
-def start(sw: Sweep) -> None:
-    """Create the sweep's state (plan, study, parent run), or reopen it with sweep.resume."""
-    from workbench.track.store import check_tracking
-    from workbench.track.tracker import create_run
-
-    st, sweep = sw.state, sw.sweep
-    array = sweep.parallelism if sw.cfg.launcher.name == "slurm" else 1
-    check_tracking(sw.cfg, array)  # before any state, run or job exists
-    if st.exists():
-        if not sweep.resume:
-            raise ConfigError("sweep.resume", False, f"{st.folder} already holds this sweep; "
-                              "pass sweep.resume=true to continue it, or another sweep.name")
-        loaded = SweepState.load(st.folder)
-        st.plan, st.trials = loaded.plan, loaded.trials
-        st.lock()
-        if st.plan.get("sweep", {}).get("space") != sweep.space:
-            raise ConfigError("sweep.space", sweep.space, "differs from the sweep being resumed")
-    else:
-        st.lock()
-        parent = create_run(sw.cfg.tracking, f"sweep-{sweep.name}",
-                            {"wb.sweep": sweep.name, "wb.sweep_role": "parent",
-                             "wb.launcher": sw.cfg.launcher.name})
-        st.create({"sweep": asdict(sweep), "base_overrides": sw.base_overrides,
-                   "world_size": sw.world_size, "budget": budget(sweep),
-                   "objectives": [asdict(o) for o in sw.objectives],
-                   "launcher": sw.cfg.launcher.name, "tracking_uri": sw.uri,
-                   "parent_run_id": parent, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
-    sampler = _sampler(sweep)
-    sw.study = open_study(sweep.storage or st.study_path, sweep.name,
-                          [o.direction for o in sw.objectives], sampler)
-    sw.backend = make_backend(sw.cfg, st.folder, sweep.name, sweep.parallelism)
-    recover(sw)
-
-
-def recover(sw: Sweep) -> None:
-    """After a killed driver: Optuna trials asked but never recorded are failed (they never
-    ran; the budget counts records, so another proposal replaces them), and records that
-    ended but were not yet told are told now."""
-    import optuna
-
-    for t in sw.study.get_trials(deepcopy=False):
-        if t.number not in sw.state.trials and not t.state.is_finished():
-            sw.study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
-    for r in sw.state.with_status("rejected", "failed", "complete"):
-        if not r.told:
-            if r.status == "complete":
-                sw.study.tell(r.number, r.values, skip_if_finished=True)
-            else:
-                state = optuna.trial.TrialState.PRUNED if r.status == "rejected" else \
-                    optuna.trial.TrialState.FAIL
-                sw.study.tell(r.number, state=state, skip_if_finished=True)
-            sw.state.update(r, told=True)
-
-
-def _sampler(sweep: SweepConfig) -> Any:
-    import optuna
-
-    class AskTellGrid(optuna.samplers.GridSampler):
-        """GridSampler for ask/tell: its after_trial calls study.stop() on the last grid point,
-        which raises outside study.optimize() before the result is stored; the driver counts
-        its budget itself."""
-
-        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
-            return None
-
-    if use_grid(sweep):
-        return AskTellGrid(grid(sweep), seed=sweep.seed)  # type: ignore[arg-type]
-    if sweep.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=sweep.seed)
-    return optuna.samplers.TPESampler(seed=sweep.seed)
 
 
 # ---------------------------------------------------------------------------- one trial
@@ -269,7 +190,7 @@ def poll(sw: Sweep) -> int:
     running = sw.state.with_status("submitted")
     if not running:
         return 0
-    c = report.client(sw.uri)
+    c = client(sw.uri)
     ended = sw.backend.ended(running)
     statuses = report.run_statuses(c, sw.state.plan["parent_run_id"],
                                    [r.run_id for r in running if r.run_id])
@@ -307,10 +228,10 @@ def fail(sw: Sweep, record: TrialRecord, reason: str) -> None:
     print(f"trial {record.number} failed: {reason} (log: {record.run_dir})", file=sys.stderr)
 
 
-def step(sw: Sweep, ask_more: bool) -> None:
-    """One pass: ask a round when none is running, prepare, submit, poll."""
+def step(sw: Sweep) -> None:
+    """One pass: ask a round when none is in flight, prepare, submit, poll."""
     n_left = sw.state.plan["budget"] - len(sw.state.trials)
-    if ask_more and n_left > 0 and not sw.state.in_flight():
+    if n_left > 0 and not sw.state.in_flight():
         ask(sw, min(sw.sweep.array_size, n_left))
     prepare(sw, sw.state.with_status("asked"))
     submit(sw)
@@ -318,43 +239,70 @@ def step(sw: Sweep, ask_more: bool) -> None:
         report.update_parent(sw.state, sw.uri, sw.objectives)
 
 
+def submit_budget(sw: Sweep) -> None:
+    """Detached: the whole budget asked, prepared and handed to the backend round by round,
+    without waiting for a result. A Slurm array takes each round whole; local processes take
+    what `sweep.parallelism` allows, and `collect` starts the rest as they end."""
+    while len(sw.state.trials) < sw.state.plan["budget"]:
+        ask(sw, min(sw.sweep.array_size, sw.state.plan["budget"] - len(sw.state.trials)))
+        prepare(sw, sw.state.with_status("asked"))
+        submit(sw)
+    prepare(sw, sw.state.with_status("asked"))  # what a killed detached driver asked
+    submit(sw)
+
+
 def finished(sw: Sweep) -> bool:
     return len(sw.state.trials) >= sw.state.plan["budget"] and not sw.state.in_flight()
+
+
+def drive(sw: Sweep, detach: bool = False, wait: bool = True) -> None:
+    """The one sweep loop, whoever drives it (the driver, attached or detached, resumed, or
+    `collect`): passes of `step` until every trial ended (`wait`) or one pass; detached, only
+    the submissions. Whoever sees the last trial end finishes the sweep."""
+    if detach:
+        submit_budget(sw)
+        report.update_parent(sw.state, sw.uri, sw.objectives)
+        return
+    while True:
+        step(sw)
+        if finished(sw) or not wait:
+            break
+        time.sleep(sw.sweep.poll_s)
+    if finished(sw):
+        finish(sw)
+    else:
+        report.update_parent(sw.state, sw.uri, sw.objectives)
+
+
+def finish(sw: Sweep) -> None:
+    """The end of a sweep: its recipe's comparison on the parent run (the low-rank modes'
+    report, the mixtures' fitted weights), written once, however the sweep was driven (a
+    detached sweep ends in `collect`); then the parent's final numbers, and it is closed."""
+    if not sw.state.plan.get("finished"):
+        if "lowrank" in sw.sweep.space:
+            lowrank.finish(sw)
+        if "weights" in sw.sweep.space.get("data", {}):
+            mixture.finish(sw)
+        sw.state.plan["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        sw.state.save_plan()
+    report.update_parent(sw.state, sw.uri, sw.objectives, finished=True)
 
 
 def run(sw: Sweep) -> int:
     """Drive the sweep to its budget (or, detached, submit everything and return)."""
     start(sw)
     try:
-        if sw.sweep.detach:
-            while len(sw.state.trials) < sw.state.plan["budget"] or \
-                    sw.state.with_status("asked", "prepared"):
-                n_left = sw.state.plan["budget"] - len(sw.state.trials)
-                if n_left > 0:
-                    ask(sw, min(sw.sweep.array_size, n_left))
-                prepare(sw, sw.state.with_status("asked"))
-                submit(sw)
-            report.update_parent(sw.state, sw.uri, sw.objectives)
-            print(f"submitted; follow with: python -m workbench.sweep status {sw.sweep.name}"
-                  f" (collect: python -m workbench.sweep collect {sw.sweep.name})")
-            return 0
-        while not finished(sw):
-            step(sw, ask_more=True)
-            if not finished(sw):
-                time.sleep(sw.sweep.poll_s)
-        if "lowrank" in sw.sweep.space:  # modes compared: the report on the parent run
-            from workbench.sweep.lowrank import finish as lowrank_finish
-
-            lowrank_finish(sw)
-        if "weights" in sw.sweep.space.get("data", {}):  # mixtures: the fitted weights -> loss
-            from workbench.sweep.mixture import finish as mixture_finish
-
-            mixture_finish(sw)
-        report.update_parent(sw.state, sw.uri, sw.objectives, finished=True)
-        print(report.table(sw.state, sw.objectives))
-        return 0
+        drive(sw, detach=sw.sweep.detach)
     finally:
         sw.state.unlock()
+    if sw.sweep.detach:
+        waiting = len(sw.state.with_status("prepared"))
+        later = f" ({waiting} wait for a slot: collect starts them)" if waiting else ""
+        print(f"submitted{later}; follow with: python -m workbench.sweep status {sw.sweep.name}"
+              f" (collect: python -m workbench.sweep collect {sw.sweep.name})")
+    else:
+        print(report.table(sw.state, sw.objectives))
+    return 0
 
 
 @guarded

@@ -9,18 +9,19 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from workbench import report
+from workbench.track.store import client
+
 
 def finish(sw: Any) -> None:
     """Build the report from the complete trials; a failure here never loses the sweep."""
-    from workbench import report
-
     ids = [r.run_id for r in sorted(sw.state.with_status("complete"), key=lambda r: r.number)
            if r.run_id]
     if not ids:
         print("lowrank sweep: no complete trial, no comparison report", file=sys.stderr)
         return
     out = sw.state.folder / "report"
-    c = report.client(sw.uri)
+    c = client(sw.uri)
     try:
         result = report.build(c, ids, out)
         scaling_chart(out)

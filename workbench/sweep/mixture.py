@@ -18,6 +18,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from workbench.track.store import client
+from workbench.track.tracker import with_retries
+
 PREFIX = "data.weights."
 
 
@@ -51,8 +54,6 @@ def fit(weights: np.ndarray, loss: np.ndarray, names: Sequence[str]) -> Dict[str
 
 
 def _trials(sw: Any, c: Any) -> Tuple[List[str], List[Dict[str, Any]]]:
-    from workbench.track.tracker import with_retries
-
     done = sorted(sw.state.with_status("complete"), key=lambda r: r.number)
     names = sorted({k[len(PREFIX):] for r in done for k in r.params if k.startswith(PREFIX)})
     rows = []
@@ -121,10 +122,7 @@ def _plot(names: Sequence[str], w: np.ndarray, loss: np.ndarray, pred: np.ndarra
 
 def finish(sw: Any) -> None:
     """Build and attach the report; a failure here never loses the sweep."""
-    from workbench import report
-    from workbench.track.tracker import with_retries
-
-    c = report.client(sw.uri)
+    c = client(sw.uri)
     names, rows = _trials(sw, c)
     if len(rows) < 2:
         print("data mixture sweep: fewer than 2 complete trials, no report", file=sys.stderr)

@@ -9,16 +9,11 @@ from typing import Any
 
 from workbench.sweep.space import Objective
 from workbench.sweep.state import SweepState, TrialRecord
+from workbench.track.store import client
 
 # Throughput-like metrics are the median over steps after the first (warm-up, allocation);
 # quality metrics are the last value the run logged.
 MEDIAN_METRICS = ("tokens_per_s", "mfu", "step_time_s")
-
-
-def client(uri: str):
-    from workbench.track.store import client as store_client
-
-    return store_client(uri)
 
 
 def run_status(mlflow_client: Any, run_id: str) -> str:

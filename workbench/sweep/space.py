@@ -48,6 +48,7 @@ class SweepConfig:
     min_pred_ratio: float = 0.0  # reject layouts predicted slower than this x the best predicted
     resume: bool = False
     detach: bool = False  # submit and return; then `python -m workbench.sweep status|collect`
+    # (local trials run in sessions of their own, up to `parallelism`; collect starts the rest)
     poll_s: float = 2.0
     dir: str = SWEEPS_DIR  # sweep state lives in DIR/NAME
     # The Optuna storage: empty = a journal file in the sweep's folder (one machine, or a shared

@@ -1,7 +1,8 @@
 """The durable state of one sweep, in `sweeps/NAME/`: the driver can die at any line and a
 resumed driver continues without losing a trial or running one twice.
 
-  plan.json     what the sweep is: its config, the base overrides, the parent MLflow run
+  plan.json     what the sweep is: its config, the base overrides and the resolved base config
+                every trial starts from, the parent MLflow run
   study.log     the Optuna 5 journal storage (safe for many concurrent writers), unless
                 `sweep.storage` names an RDB (PostgreSQL for workers on many nodes)
   trials.json   the trial -> job map: one record per Optuna trial, advanced through

@@ -1,5 +1,7 @@
 """The MLflow store a run writes to, made safe to open and checked before anything starts.
 
+- `client()` is the one MLflow client factory (commands, ranks, sweeps, calibration): one
+  resolution of the store's URI and one way a missing or silent store is reported.
 - A new sqlite store is created (schema migrated) by MLflow on its first touch. Several processes
   touching one new file at once each run the migration and all but one die with
   `table _alembic_tmp_latest_metrics already exists`; `client()` therefore holds an inter-process
@@ -26,11 +28,13 @@ from typing import Any
 
 from workbench.config import RunConfig
 from workbench.errors import ConfigError, InputError
+from workbench.places import tracking_uri
 from workbench.track.sqlite_template import seed
 
 SERVER_COMMAND = "python -m workbench.track.server start"
 _warned: set[str] = set()  # warnings already printed by this process
 _opened: set[str] = set()  # sqlite stores this process has opened under the lock
+_reached: set[str] = set()  # stores this process found readable
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -75,16 +79,24 @@ def _made(uri: str) -> bool:
         return False
 
 
-def client(uri: str, create: bool = True) -> Any:
-    """An MlflowClient for `uri`; a sqlite store not yet made is created (or migrated) by one
-    process at a time, under the lock, and stamped as made. create=False: a command that only
-    reads an existing store (report, rerun), which must leave nothing behind, not even a lock."""
+def client(uri: str = "", create: bool = True) -> Any:
+    """The one MLflow client factory: every command, rank and sweep step gets its client here,
+    so the store is found the same way everywhere (places.tracking_uri: `uri`, else
+    $MLFLOW_TRACKING_URI, else ./mlflow.db) and a missing or silent store is one line of bad
+    input. A sqlite store not yet made is created (or migrated) by one process at a time,
+    under the lock, and stamped as made. create=False: a command that only reads (report,
+    rerun, calibration), which must leave nothing behind, not even a lock: a sqlite store that
+    does not exist, or a server that does not answer, is bad input instead."""
     from mlflow.tracking import MlflowClient
 
+    uri = tracking_uri(uri)
     # MLflow's REST client prints "View run ... at http://..." on every set_terminated (after
     # an extra get_run): one line per rank and trial is noise in job logs and a round trip.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    if not create or sqlite_path(uri) is None or uri in _opened or _made(uri):
+    if not create:
+        _check_readable(uri)
+        return MlflowClient(tracking_uri=uri)
+    if sqlite_path(uri) is None or uri in _opened or _made(uri):
         return MlflowClient(tracking_uri=uri)
     with tracking_errors(uri), creation_lock(uri):
         if not _made(uri):  # made by whoever held the lock before: nothing left to do here
@@ -94,6 +106,18 @@ def client(uri: str, create: bool = True) -> Any:
             Path(f"{sqlite_path(uri)}.lock").write_text(_made_stamp())
     _opened.add(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+def _check_readable(uri: str) -> None:
+    """A store to read must exist (sqlite) or answer (a server, asked once per process: a
+    writer's retries ride out a restart, a reader has nothing to wait for)."""
+    path = sqlite_path(uri)
+    if path is not None and not path.exists():
+        raise InputError(f"tracking uri {uri!r}: no MLflow store there (run from the folder "
+                         "that holds mlflow.db, or set MLFLOW_TRACKING_URI / tracking.uri)")
+    if uri not in _reached:
+        check_reachable(uri)
+        _reached.add(uri)
 
 
 @contextmanager

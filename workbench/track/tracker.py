@@ -249,17 +249,3 @@ def record_prepared(uri: str, run_id: str, params: Dict[str, Any], metrics: Dict
     else:
         for f in files:
             with_retries(c.log_artifact, run_id, str(f), artifact_path)
-
-
-def reading_client(uri: str) -> Any:
-    """An MLflow client for a command that only reads (report, rerun): a sqlite store that does
-    not exist is bad input, not a new empty store to create (and log about)."""
-    from pathlib import Path
-
-    from workbench.errors import InputError
-    from workbench.track.store import client
-
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
-        raise InputError(f"tracking uri {uri!r}: no MLflow store there (run from the folder "
-                         "that holds mlflow.db, or set MLFLOW_TRACKING_URI / tracking.uri)")
-    return client(uri, create=False)

@@ -114,7 +114,7 @@ def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress:
             bar.close()
     # A run stopped for a requeue stays RUNNING: its next attempt continues the same MLflow run.
     tracker.close("RUNNING" if "stopped_at" in last else "FINISHED")
-    if job.world_size > 1 and engine.is_main:  # the torchrun launcher reads it back
+    if engine.is_main:  # a launcher that started the ranks as processes reads it back
         path = os.path.join(job.run_dir, FINAL_METRICS)
         with open(path + ".tmp", "w") as f:
             json.dump(last, f)
