@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from workbench.config import ClusterConfig, ModelConfig
-from workbench.plan.coefficients import coefficients
-from workbench.plan.columns import columns
-from workbench.plan.hardware import match_gpu
-from workbench.plan.hetero import build, pool_costs, step
-from workbench.plan.pools import Link, Pool, spanning
-from workbench.plan.shapes import model_shape
-from workbench.plan.terms import Software
+from workbench.plan.cost.coefficients import coefficients
+from workbench.plan.cost.columns import columns
+from workbench.plan.cost.hardware import match_gpu
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.pools.cluster import Link, Pool, spanning
+from workbench.plan.pools.pipeline import build, pool_costs, step
 
 DATA = Path(__file__).resolve().parent / "calibration" / "amp_het_cluster.csv"
 GPUS_PER_NODE = 4

@@ -37,9 +37,9 @@ import torch
 from workbench import layout as layouts
 from workbench.compose import compose
 from workbench.data.corpus import load as load_data
-from workbench.plan.hetero_search import PoolPipeline, plan_pipeline
-from workbench.plan.pools import pools_of
-from workbench.plan.stages import even_split
+from workbench.plan.cost.stages import even_split
+from workbench.plan.pools.cluster import pools_of
+from workbench.plan.pools.search import PoolPipeline, plan_pipeline
 from workbench.testing.cpuquota import CpuQuota, unavailable_reason
 from workbench.testing.multirank import (
     Case,

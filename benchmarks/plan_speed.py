@@ -16,7 +16,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, as the target says
 
 from workbench.compose import compose
-from workbench.plan.search import enumerate_space, rank_layouts, score
+from workbench.plan.search.exhaustive import rank_layouts, score
+from workbench.plan.search.space import enumerate_space
 
 CASES = (("llama3_405b", 16384, 2048), ("llama3_70b", 1024, 1024))
 

@@ -23,7 +23,7 @@ def in_ci() -> bool:
 def shared_calibration_csv() -> Path:
     """../shared/calibration/published_layouts.csv beside the clone: a test that reads it skips
     without it, except under CI, where the clone always has it and its absence is a failure."""
-    from workbench.plan.validate import default_csv
+    from workbench.plan.accuracy.predict import default_csv
 
     path = default_csv()
     if not path.is_file():

@@ -13,10 +13,11 @@ from workbench.compose import compose
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
 from workbench.layout import Layout, validate
-from workbench.plan.columns import layout_fields
-from workbench.plan.optuna_search import _space, optuna_search
-from workbench.plan.rules import RULES
-from workbench.plan.search import REASONS, divisors, enumerate_space, reasons
+from workbench.plan.cost.columns import layout_fields
+from workbench.plan.search.exhaustive import REASONS, reasons
+from workbench.plan.search.optuna_search import _space, optuna_search
+from workbench.plan.search.rules import RULES
+from workbench.plan.search.space import divisors, enumerate_space
 
 ODD = ModelConfig(name="odd", family="gpt2", n_layers=6, hidden=48, n_heads=12, n_kv_heads=12,
                   ffn_hidden=192, vocab=300, seq_len=24, tie_embeddings=True, bias=True)

@@ -7,10 +7,10 @@ import pytest
 from workbench.compose import compose
 from workbench.errors import ConfigError
 from workbench.layout import validate
-from workbench.plan.costmodel import estimate
-from workbench.plan.optuna_search import optuna_search
-from workbench.plan.search import best_layout, rank_layouts
-from workbench.plan.validate import engine_only
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.search.exhaustive import best_layout, rank_layouts
+from workbench.plan.search.optuna_search import optuna_search
+from workbench.plan.search.rules import engine_only
 
 # Issue target: >= 9/10 seeds within 2% (the measured figure is in the README's planner table).
 MIN_HITS = 9

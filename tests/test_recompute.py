@@ -16,13 +16,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbench.compose import compose
-from workbench.plan.memory_terms import (
+from workbench.plan.cost.memory_terms import (
     activation_bytes_per_token,
     op_policy_items,
     op_policy_share,
 )
-from workbench.plan.shapes import model_shape
-from workbench.plan.software import Software
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
 from workbench.train.model import build, cross_entropy
 from workbench.train.parallel.recompute import apply_recompute
 

@@ -17,10 +17,11 @@ from test_plan_rules import rule_of
 from workbench.compose import compose
 from workbench.errors import ConfigError
 from workbench.layout import Layout, resolve, validate
-from workbench.plan.columns import Schedule, layout_fields
-from workbench.plan.costmodel import estimate
-from workbench.plan.search import REASONS, best_layout, enumerate_space, rank_layouts, reasons
-from workbench.plan.stages import balance_stages, candidate_ends, split_from_ends
+from workbench.plan.cost.columns import Schedule, layout_fields
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.stages import balance_stages, candidate_ends, split_from_ends
+from workbench.plan.search.exhaustive import REASONS, best_layout, rank_layouts, reasons
+from workbench.plan.search.space import enumerate_space
 
 LLAMA3 = (7,) + (8,) * 14 + (7,)  # Llama 3 405B on 16 stages (the herd paper, section 3.3.2)
 
@@ -160,7 +161,7 @@ def test_optuna_search_proposes_the_uneven_split_too() -> None:
     the embedding and the last only the head; Optuna proposes such uneven pipelines at every
     seed. Its 60-trial best is 3.8-5.4% slower than the exhaustive one (seeds 0-4; the tp 8 x
     cp 2 corner the exhaustive search finds is one TPE rarely samples), hence 6%."""
-    from workbench.plan.optuna_search import optuna_search
+    from workbench.plan.search.optuna_search import optuna_search
 
     c = compose(["model=llama3_8b", "model.n_layers=6", "model.vocab=256000",
                  "cluster=h100_8x_ib", "train.dtype=bf16", "train.global_batch=32"])

@@ -15,9 +15,9 @@ import numpy as np
 
 from workbench.config import LayoutConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError
-from workbench.plan.columns import RECOMPUTE, SCHEDULES, Columns, layout_columns
-from workbench.plan.rules import RULES, first_broken
-from workbench.plan.stages import even_split, format_split, parse_split, split_from_ends
+from workbench.plan.cost.columns import RECOMPUTE, SCHEDULES, Columns, layout_columns
+from workbench.plan.cost.stages import even_split, format_split, parse_split, split_from_ends
+from workbench.plan.search.rules import RULES, first_broken
 
 __all__ = ["RECOMPUTE", "SCHEDULES", "Layout", "auto_micro_batch", "resolve", "validate"]
 _KEY_ORDER = ("dp_replicate", "dp_shard", "tp", "pp", "cp")

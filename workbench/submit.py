@@ -32,7 +32,7 @@ from workbench.train import branch
 def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
     """The concrete layout: as configured, or the planner's best for this world size."""
     if cfg.layout.auto:
-        from workbench.plan.search import best_layout
+        from workbench.plan.search.exhaustive import best_layout
 
         layout = best_layout(cfg.model, cfg.cluster, cfg.train, world_size, cfg.lowrank,
                              margin_bytes=cfg.layout.mem_margin_gib * 2**30)
@@ -98,7 +98,7 @@ def check_fits(cfg: RunConfig, layout: layouts.Layout) -> None:
     their placement instead; a run the model cannot price is let through."""
     if not cfg.layout.check_memory or cfg.launcher.stage_pools:
         return
-    from workbench.plan.costmodel import estimate
+    from workbench.plan.cost.estimate import estimate
 
     try:
         est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
@@ -190,7 +190,7 @@ def _prediction(cfg: RunConfig, layout: layouts.Layout) -> Dict[str, float]:
     """The cost model's prediction (`pred/*`), logged beside what will be measured so that
     calibration is a query; {} when there is no planner or it cannot price this run."""
     try:
-        from workbench.plan.costmodel import estimate
+        from workbench.plan.cost.estimate import estimate
     except ImportError:
         return {}
     try:

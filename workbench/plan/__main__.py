@@ -27,10 +27,10 @@ from workbench.compose import compose
 from workbench.config import RunConfig
 from workbench.errors import ConfigError, InputError
 from workbench.layout import degrees_key, row_keys
-from workbench.plan.hardware import GIB
-from workbench.plan.search import REASONS, Ranking, rank_layouts
-from workbench.plan.software import Software
-from workbench.plan.stacks import STACKS, stack_software
+from workbench.plan.cost.hardware import GIB
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import STACKS, stack_software
+from workbench.plan.search.exhaustive import REASONS, Ranking, rank_layouts
 
 
 def budget(tokens: float, tokens_per_s: float, gpus: int) -> tuple[float, float]:
@@ -144,7 +144,7 @@ def _rank(cfg: RunConfig, args: argparse.Namespace, world: int, sw: Software) ->
     write_ranking(out, r, args.tokens)
     print(f"full ranking: {out}")
     if args.optuna:
-        from workbench.plan.optuna_search import optuna_search
+        from workbench.plan.search.optuna_search import optuna_search
 
         res = optuna_search(cfg.model, cfg.cluster, cfg.train, world, args.optuna,
                             cfg.train.seed, cfg.lowrank, margin_bytes=margin, software=sw)
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
                                                  "(cluster.pools): it plans this engine's "
                                                  "stages over the pools")
     if args.explain and cfg.cluster.pools:  # a mixed cluster: one pipeline over pools
-        from workbench.plan.hetero_explain import explain_pools, render_pools
+        from workbench.plan.pools.explain import explain_pools, render_pools
 
         print("\n".join(render_pools(explain_pools(
             cfg.model, cfg.cluster, cfg.train, args.explain, args.stages, cfg.lowrank,
@@ -200,7 +200,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--stages", args.stages, "only with --explain on a mixed cluster "
                                                    "(cluster.pools)")
     if args.explain:
-        from workbench.plan.explain import explain, render
+        from workbench.plan.cost.explain import explain, render
 
         x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib,
                     world, sw)
@@ -212,7 +212,7 @@ def main(argv: list[str]) -> int:
             print(f"{args.tokens:.4g} tokens: {days:.1f} days, {hours:.4g} GPU-hours")
         return 0
     if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.hetero)
-        from workbench.plan.hetero_report import pool_main
+        from workbench.plan.pools.report import pool_main
 
         return pool_main(cfg, args.out, args.top, args.margin_gib)
     return _rank(cfg, args, world, sw)

@@ -47,9 +47,9 @@ from typing import Sequence
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.hardware import cluster_for
-from workbench.plan.shapes import ModelShape, model_shape
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.hardware import cluster_for
+from workbench.plan.cost.shapes import ModelShape, model_shape
 
 MODES = ("off", "lowrank", "powersgd")
 # DDP's default bucket: gradients are all-reduced in buckets of 25 MB, one collective each
@@ -282,7 +282,7 @@ def gpu_curve(model: ModelConfig, mode: str, link: Link, sizes: list[int],
     micro-batch = tokens_per_gpu / seq_len) from the cost model's compute terms, the all-reduce
     from dp_payload_bytes over `link`. Memory is not checked (a 7B model needs its optimizer
     state sharded, which changes the collectives' kind, not the bytes)."""
-    from workbench.plan.costmodel import estimate
+    from workbench.plan.cost.estimate import estimate
 
     lr = lowrank_config(mode)
     cl: ClusterConfig = cluster_for(gpu, 1)

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.plan import stages
-from workbench.plan.coefficients import Coefficients
-from workbench.plan.columns import Columns, Schedule
-from workbench.plan.gemm_tiles import tile_fill
-from workbench.plan.hardware import GpuSpec
-from workbench.plan.links import collective_link, group_bw
-from workbench.plan.memory_terms import (
+from workbench.plan.cost import stages
+from workbench.plan.cost.coefficients import Coefficients
+from workbench.plan.cost.columns import Columns, Schedule
+from workbench.plan.cost.gemm_tiles import tile_fill
+from workbench.plan.cost.hardware import GpuSpec
+from workbench.plan.cost.links import collective_link, group_bw
+from workbench.plan.cost.memory_terms import (
     activation_bytes_per_token,
     gather_bytes,
     loss_bytes_per_token,
@@ -32,8 +32,8 @@ from workbench.plan.memory_terms import (
     recompute_fractions,
     state_bytes_per_param,
 )
-from workbench.plan.shapes import Linear, ModelShape, fp8_operand_elems
-from workbench.plan.software import Software as Software  # re-exported: built beside the terms
+from workbench.plan.cost.shapes import Linear, ModelShape, fp8_operand_elems
+from workbench.plan.cost.software import Software as Software
 
 Arrays = dict[str, np.ndarray]
 # Adam step traffic per parameter: read+write fp32 master (8), m (8), v (8), read the fp32

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 from workbench.config import ClusterConfig
 from workbench.errors import ConfigError
-from workbench.plan.hardware import match_gpu
+from workbench.plan.cost.hardware import match_gpu
 
 
 @dataclass(frozen=True)

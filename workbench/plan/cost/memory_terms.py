@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.plan.columns import Recompute
-from workbench.plan.shapes import ModelShape
-from workbench.plan.software import Software
+from workbench.plan.cost.columns import Recompute
+from workbench.plan.cost.shapes import ModelShape
+from workbench.plan.cost.software import Software
 
 # Eager cross-entropy on fp32 logits (`logits.float()`, as torchtitan and this engine do): at the
 # start of the backward three fp32 tensors of the logits' size are alive at once: the saved

@@ -12,14 +12,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig, compute_dtype
+from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.columns import Columns, layout_columns
-from workbench.plan.hardware import GpuSpec, spec_of_cluster
-from workbench.plan.memory_terms import op_policy_share, recompute_fractions
-from workbench.plan.shapes import ModelShape, model_shape
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS, Software, evaluate
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.columns import Columns, layout_columns
+from workbench.plan.cost.hardware import GpuSpec, hardware_for
+from workbench.plan.cost.memory_terms import op_policy_share, recompute_fractions
+from workbench.plan.cost.shapes import ModelShape, model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import software_for
+from workbench.plan.cost.terms import MEM_TERMS, TIME_TERMS, evaluate
 
 
 @dataclass(frozen=True)
@@ -64,22 +66,6 @@ class Estimate:
         out.update(self.time_s)
         out.update(self.mem_bytes)
         return out
-
-
-def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
-    """The stack this repository trains with: fused attention, no dropout, overlapped DP,
-    all-gather context parallelism, in the dtype a run on this cluster computes in (`auto`: bf16
-    on cuda, fp32 on cpu). Its TP plan has a column-parallel linear per projection, each
-    all-reducing its input gradient without SP, and its pipeline sends a stage's output as the
-    plan leaves it: the sequence shard under SP, else the whole tensor from every TP rank."""
-    return Software(precision=compute_dtype(train, cluster),
-                    compiled=bool(getattr(train, "compile", False)), cp_allgather=True,
-                    batch_first_sp=True, p2p_tp_split=False, separate_qkv=True,
-                    separate_gate_up=True)
-
-
-def hardware_for(cluster: ClusterConfig) -> GpuSpec:
-    return spec_of_cluster(cluster)[0]
 
 
 def flops_per_step(ms: ModelShape, global_batch: float, a: Columns,

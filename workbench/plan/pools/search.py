@@ -18,9 +18,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
-from workbench.plan.columns import RECOMPUTE, Recompute, Schedule, columns
-from workbench.plan.costmodel import software_for
-from workbench.plan.hetero import (
+from workbench.plan.cost.columns import RECOMPUTE, Recompute, Schedule, columns
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import software_for
+from workbench.plan.cost.stages import format_split
+from workbench.plan.pools.cluster import Pool, links, pools_of
+from workbench.plan.pools.pipeline import (
     PoolCosts,
     Stages,
     balance,
@@ -29,12 +33,9 @@ from workbench.plan.hetero import (
     pool_costs,
     step,
 )
-from workbench.plan.pools import Pool, links, pools_of
-from workbench.plan.rules import COST_RULES, first_broken
-from workbench.plan.search import MICRO_BATCHES, NOT_FIT, divisors
-from workbench.plan.shapes import model_shape
-from workbench.plan.stages import format_split
-from workbench.plan.terms import Software
+from workbench.plan.search.exhaustive import NOT_FIT
+from workbench.plan.search.rules import COST_RULES, first_broken
+from workbench.plan.search.space import MICRO_BATCHES, divisors
 
 
 def arrangements(n_pools: int) -> list[tuple[int, ...]]:

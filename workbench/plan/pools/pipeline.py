@@ -29,16 +29,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from workbench.plan.columns import Columns
-from workbench.plan.links import collective_link, group_bw
-from workbench.plan.memory_terms import LOSS_BYTES_PER_LOGIT
-from workbench.plan.pools import Link, Pool
-from workbench.plan.shapes import ModelShape
-from workbench.plan.terms import (
-    OPTIMIZER_BYTES_PER_PARAM,
-    Software,
-    evaluate,
-)
+from workbench.plan.cost.columns import Columns
+from workbench.plan.cost.links import collective_link, group_bw
+from workbench.plan.cost.memory_terms import LOSS_BYTES_PER_LOGIT
+from workbench.plan.cost.shapes import ModelShape
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.terms import OPTIMIZER_BYTES_PER_PARAM, evaluate
+from workbench.plan.pools.cluster import Link, Pool
 
 STATE = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes")
 

@@ -32,18 +32,11 @@ import optuna
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.columns import SCHEDULES, Recompute, Schedule, code, columns
-from workbench.plan.rules import COST_RULES, first_broken, select
-from workbench.plan.search import (
-    MEMORY_REASONS,
-    MICRO_BATCHES,
-    REASONS,
-    SCHED_V,
-    divisors,
-    score,
-    with_splits,
-)
-from workbench.plan.software import Software
+from workbench.plan.cost.columns import SCHEDULES, Recompute, Schedule, code, columns
+from workbench.plan.cost.software import Software
+from workbench.plan.search.exhaustive import MEMORY_REASONS, REASONS, score
+from workbench.plan.search.rules import COST_RULES, first_broken, select
+from workbench.plan.search.space import MICRO_BATCHES, SCHED_V, divisors, with_splits
 
 # the rules a micro-batch is repaired against (the batch splits into whole micro-batches, and
 # enough of them for the pipeline)

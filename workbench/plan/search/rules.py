@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from workbench.config import ModelConfig
-from workbench.plan.columns import RECOMPUTE, SCHEDULES, Columns, Schedule
-from workbench.plan.stages import split_problem
+from workbench.errors import ConfigError
+from workbench.plan.cost.columns import RECOMPUTE, SCHEDULES, Columns, Schedule
+from workbench.plan.cost.stages import split_problem
 
 Test = Callable[[ModelConfig, Any, Columns], Any]
 
@@ -149,3 +150,11 @@ def first_broken(model: ModelConfig, world: Any, a: Columns,
 def select(names: Sequence[str], rules: Sequence[Rule] = COST_RULES) -> tuple[Rule, ...]:
     """The rules with these names, in rule order."""
     return tuple(r for r in rules if r.name in names)
+
+
+def engine_only(e: ConfigError) -> bool:
+    """A layout.validate rule that limits this repository's engine, not the cost of a layout:
+    published stacks allow uneven pipeline stages (torchtitan, Megatron), tied embeddings across
+    stages and SP with learned positions (Megatron)."""
+    return (e.key == "layout.pp" and "n_layers" in e.valid) or "tie_embeddings" in e.valid \
+        or "model.family" in e.valid

@@ -96,8 +96,11 @@ def match_gpu(name: str) -> GpuSpec:
     raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (matched loosely)")
 
 
-def spec_of_cluster(cluster: ClusterConfig) -> tuple[GpuSpec, float]:
-    """The cluster's figures as a GpuSpec plus its FP8 peak (datasheet when the name matches)."""
+def hardware_for(cluster: ClusterConfig) -> GpuSpec:
+    """The hardware the cost model prices a cluster's GPUs with: every planner path asks this
+    one function, so where the figures come from is decided here. The cluster's own figures
+    (its YAML, or cluster_for's datasheet copy), with the FP8 peak, power cap and SM count of
+    the datasheet GPU its name matches (none where it matches none)."""
     try:
         fp8 = match_gpu(cluster.gpu).peak_fp8_flops
         capped = match_gpu(cluster.gpu).power_capped
@@ -105,11 +108,10 @@ def spec_of_cluster(cluster: ClusterConfig) -> tuple[GpuSpec, float]:
     except KeyError:
         fp8, capped, sms = 0.0, False, 0
     peak16 = float(cluster.peak_bf16_flops)
-    spec = GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
+    return GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
                    float(cluster.hbm_bytes), float(cluster.hbm_bw_bytes_per_s),
                    float(cluster.intra_node_gbps), float(cluster.inter_node_gbps),
                    int(cluster.gpus_per_node), capped, sms)
-    return spec, spec.peak_fp8_flops
 
 
 def cluster_for(gpu_name: str, n_gpus: int, gpus_per_node: int | None = None,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.plan.coefficients import Coefficients
-from workbench.plan.hardware import GpuSpec
+from workbench.plan.cost.coefficients import Coefficients
+from workbench.plan.cost.hardware import GpuSpec
 
 
 def nic_rails(size: np.ndarray, stride: np.ndarray, hw: GpuSpec) -> np.ndarray:

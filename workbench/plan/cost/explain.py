@@ -16,15 +16,16 @@ from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainCon
 from workbench.errors import ConfigError
 from workbench.layout import Layout
 from workbench.layout import validate as validate_layout
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.columns import layout_columns
-from workbench.plan.costmodel import _to_estimate, hardware_for, software_for
-from workbench.plan.hardware import GIB, GpuSpec
-from workbench.plan.links import group_bw, nic_rails
-from workbench.plan.shapes import model_shape
-from workbench.plan.software import Software
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate, setup
-from workbench.plan.validate import engine_only
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.columns import layout_columns
+from workbench.plan.cost.estimate import _to_estimate
+from workbench.plan.cost.hardware import GIB, GpuSpec, hardware_for
+from workbench.plan.cost.links import group_bw, nic_rails
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import software_for
+from workbench.plan.cost.terms import MEM_TERMS, TIME_TERMS, evaluate, setup
+from workbench.plan.search.rules import engine_only
 
 # (label, key in terms.evaluate) in print order; the buffer and fixed lines are their parts.
 MEMORY_LINES = (

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench.plan.stages import split_columns, split_from_ends
+from workbench.plan.cost.stages import split_columns, split_from_ends
 
 Columns = dict[str, np.ndarray]
 

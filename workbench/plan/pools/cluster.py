@@ -15,8 +15,8 @@ from typing import Any
 
 from workbench.config import ClusterConfig
 from workbench.errors import ConfigError
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.hardware import GpuSpec, hardware_for_pool, spec_of_cluster
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.hardware import GpuSpec, hardware_for, hardware_for_pool
 
 # per-device figures a pool may give explicitly (0: the datasheet's, from its GPU name)
 FIGURES = ("peak_bf16_flops", "peak_fp32_flops", "hbm_bytes", "hbm_bw_bytes_per_s",
@@ -65,7 +65,7 @@ def pools_of(cluster: Any) -> list[Pool]:
     own fields (ConfigError naming the key for a bad pool or link)."""
     pools_cfg = list(getattr(cluster, "pools", None) or [])
     if not pools_cfg:
-        spec = spec_of_cluster(cluster)[0]
+        spec = hardware_for(cluster)
         return [Pool(str(cluster.name), spec, int(cluster.nodes), coefficients(cluster))]
     pools = [_pool(cluster, i, p) for i, p in enumerate(pools_cfg)]
     names = [p.name for p in pools]

@@ -15,9 +15,9 @@ from dataclasses import fields
 from workbench.config import ClusterConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError, InputError
 from workbench.layout import Layout
-from workbench.plan.costmodel import software_for
-from workbench.plan.hardware import match_gpu
-from workbench.plan.validate import Case
+from workbench.plan.accuracy.published import Case
+from workbench.plan.cost.hardware import match_gpu
+from workbench.plan.cost.stacks import software_for
 
 PRED_KEY, MEASURED_KEY = "pred/step_time_s", "step_time_s"
 
