@@ -19,6 +19,7 @@ from workbench import layout as layouts
 from workbench.compose import compose
 from workbench.config import RunConfig
 from workbench.data.corpus import load as load_data
+from workbench.plan.search.rules import validate_layout
 from workbench.testing.multirank import Case, run_cases, run_single
 
 REL_TOL = 1e-5
@@ -56,7 +57,7 @@ def make_case(name: str, world_size: int, overrides: List[str], ckpt_root,
               ckpt_name: str = "", **kw) -> Case:
     cfg = make_cfg(overrides)
     layout = layouts.resolve(cfg.layout, cfg.train, world_size)
-    layouts.validate(layout, cfg.model, world_size)
+    validate_layout(layout, cfg.model, world_size)
     return Case(name, cfg, layout, str(ckpt_root / (ckpt_name or name)), **kw)
 
 

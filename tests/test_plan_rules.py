@@ -12,11 +12,11 @@ import pytest
 from workbench.compose import compose
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
-from workbench.layout import Layout, validate
+from workbench.layout import Layout
 from workbench.plan.cost.columns import layout_fields
 from workbench.plan.search.exhaustive import REASONS, reasons
 from workbench.plan.search.optuna_search import _space, optuna_search
-from workbench.plan.search.rules import RULES
+from workbench.plan.search.rules import RULES, validate_layout
 from workbench.plan.search.space import divisors, enumerate_space
 
 ODD = ModelConfig(name="odd", family="gpt2", n_layers=6, hidden=48, n_heads=12, n_kv_heads=12,
@@ -51,7 +51,7 @@ def test_validate_and_the_ranking_reject_the_same_layouts(world: int) -> None:
             for i in rng.sample(list(whole), min(400, len(whole))):
                 lay = Layout(**layout_fields(a, i))
                 try:
-                    validate(lay, model, world)
+                    validate_layout(lay, model, world)
                 except ConfigError as err:
                     rule = rule_of(err, model, world, lay)
                     if rule.engine:
@@ -69,15 +69,15 @@ def test_validate_raises_the_first_rule_with_its_message() -> None:
              (Layout(tp=5, dp_shard=1), "layout", "= 5 != world size 1")]
     for lay, key, text in cases:
         with pytest.raises(ConfigError) as e:
-            validate(lay, m, 1)
+            validate_layout(lay, m, 1)
         assert e.value.key == key and text in e.value.valid, e.value
     with pytest.raises(ConfigError) as e:
-        validate(Layout(cp=5), m, 5)
+        validate_layout(Layout(cp=5), m, 5)
     assert e.value.key == "layout.cp" and "must divide model.seq_len=24" in e.value.valid
     with pytest.raises(ConfigError) as e:
-        validate(Layout(tp=8), m, 8)
+        validate_layout(Layout(tp=8), m, 8)
     assert e.value.key == "layout.tp" and e.value.valid == "must divide model.n_heads=12"
-    validate(Layout(tp=2, dp_shard=2), compose(["model=llama3_8b"]).model, 4)
+    validate_layout(Layout(tp=2, dp_shard=2), compose(["model=llama3_8b"]).model, 4)
 
 
 @pytest.mark.parametrize("world", [8, 12, 16])
@@ -94,7 +94,7 @@ def test_optuna_space_is_what_the_rules_allow(world: int) -> None:
             allowed = []
             for d in divisors(world):
                 try:
-                    validate(Layout(**{name: d}, pp_schedule="gpipe"), free, d)
+                    validate_layout(Layout(**{name: d}, pp_schedule="gpipe"), free, d)
                 except ConfigError:
                     continue
                 if name != "cp" or d <= 32:
@@ -111,6 +111,6 @@ def test_optuna_feasible_trials_pass_the_ranking_rules() -> None:
     for key in keys:
         lay = Layout.from_key(key)
         try:
-            validate(lay, c.model, 16)
+            validate_layout(lay, c.model, 16)
         except ConfigError as err:
             assert rule_of(err, c.model, 16, lay).engine, (key, err)

@@ -24,6 +24,7 @@ from workbench.job import JOB_NAME, Job, config_dict, flat_params
 from workbench.job import config_yaml as to_yaml
 from workbench.launch import make_launcher, threads_per_rank, world_size
 from workbench.places import runs_root
+from workbench.plan.search.rules import validate_layout
 from workbench.track import manifest as manifests
 from workbench.track.tracker import create_run, record_prepared
 from workbench.train import branch
@@ -38,7 +39,7 @@ def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
                              margin_bytes=cfg.layout.mem_margin_gib * 2**30)
     else:
         layout = layouts.resolve(cfg.layout, cfg.train, world_size)
-    layouts.validate(layout, cfg.model, world_size)
+    validate_layout(layout, cfg.model, world_size)
     return layout
 
 

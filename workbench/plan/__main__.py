@@ -26,7 +26,8 @@ from workbench.cli import ArgParser, guarded
 from workbench.compose import compose
 from workbench.config import RunConfig
 from workbench.errors import ConfigError, InputError
-from workbench.layout import degrees_key, row_keys
+from workbench.layout import degrees_key
+from workbench.plan.cost.columns import row_keys
 from workbench.plan.cost.hardware import GIB
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import STACKS, stack_software

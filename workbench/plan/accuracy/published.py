@@ -13,14 +13,12 @@ from dataclasses import dataclass, replace
 
 from workbench.config import ClusterConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError
-from workbench.layout import Layout
-from workbench.layout import validate as validate_layout
+from workbench.layout import Layout, parse_split
 from workbench.plan.accuracy.fabric import inter_node_gbps_per_gpu
 from workbench.plan.cost.hardware import cluster_for
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
-from workbench.plan.cost.stages import parse_split
-from workbench.plan.search.rules import engine_only
+from workbench.plan.search.rules import engine_only, validate_layout
 
 REQUIRED = ("n_layers", "hidden", "n_heads", "seq_len", "gpu_type", "n_gpus", "tp", "pp", "dp")
 # Megatron's unfused vocab-parallel cross-entropy: HBM bytes per logit, forward + backward

@@ -17,18 +17,17 @@ Columns (all float64, one value per layout):
            split; workbench.plan.stages)
     lsum   layers the per-stage list holds (-1: the even split, or a list of the wrong shape)
 
-Imports only numpy (and workbench.plan.stages, which does too), so `workbench.layout` (imported
-by every rank) can use it without pulling in the planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from enum import IntEnum
 from typing import Any
 
 import numpy as np
 
+from workbench.layout import RECOMPUTE, SCHEDULES, format_key, format_split
 from workbench.plan.cost.stages import split_columns, split_from_ends
 
 Columns = dict[str, np.ndarray]
@@ -51,9 +50,7 @@ class Schedule(IntEnum):
     INTERLEAVED_1F1B = 2
 
 
-# The config's spellings in code order (Layout.recompute, Layout.pp_schedule hold these).
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full", "selective_op")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+# The codes are positions in the config's spellings (workbench.layout.RECOMPUTE, SCHEDULES).
 assert len(RECOMPUTE) == len(Recompute) and len(SCHEDULES) == len(Schedule)
 
 
@@ -100,3 +97,26 @@ def layout_fields(a: Columns, i: int) -> dict[str, Any]:
             "recompute": RECOMPUTE[Recompute(int(a["rc"][i]))],
             "pp_schedule": SCHEDULES[Schedule(int(a["sched"][i]))],
             "virtual_stages": int(a["v"][i]), "stage_layers": split}
+
+
+def row_keys(a: Columns, rows: Sequence[int]) -> list[str]:
+    """The keys of rows of planner columns: the same strings as Layout(**layout_fields(a, i))
+    .key(), without building a Layout per row (a ranking's CSV keys every row of the space)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    cols = {k: a[k][rows].astype(np.int64).tolist()
+            for k in ("dpr", "dps", "tp", "pp", "cp", "sp", "mb", "ga", "rc", "sched", "v",
+                      "lf", "ll", "lsum")}
+    splits: dict[tuple[int, int, int, int], str] = {}
+    out = []
+    for j in range(len(rows)):
+        pp, v, lf = cols["pp"][j], cols["v"][j], cols["lf"][j]
+        split = ""
+        if lf >= 0:
+            ends = (cols["lsum"][j], pp * v, lf, cols["ll"][j])
+            if ends not in splits:
+                splits[ends] = format_split(split_from_ends(*ends))
+            split = splits[ends]
+        out.append(format_key(cols["dpr"][j], cols["dps"][j], cols["tp"][j], pp, cols["cp"][j],
+                              bool(cols["sp"][j]), cols["mb"][j], cols["ga"][j],
+                              RECOMPUTE[cols["rc"][j]], SCHEDULES[cols["sched"][j]], v, split))
+    return out

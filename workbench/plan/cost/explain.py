@@ -15,7 +15,6 @@ import numpy as np
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError
 from workbench.layout import Layout
-from workbench.layout import validate as validate_layout
 from workbench.plan.cost.coefficients import Coefficients, coefficients
 from workbench.plan.cost.columns import layout_columns
 from workbench.plan.cost.estimate import _to_estimate
@@ -25,7 +24,7 @@ from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
 from workbench.plan.cost.terms import MEM_TERMS, TIME_TERMS, evaluate, setup
-from workbench.plan.search.rules import engine_only
+from workbench.plan.search.rules import engine_only, validate_layout
 
 # (label, key in terms.evaluate) in print order; the buffer and fixed lines are their parts.
 MEMORY_LINES = (

@@ -39,11 +39,6 @@ import numpy as np
 FIRST_OFFSETS = (0, 1, 2)
 
 
-def even_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
-    """The even split (n_stages must divide n_layers; a rule says so before anything runs)."""
-    return (n_layers // n_stages,) * n_stages
-
-
 def split_from_ends(n_layers: int, n_stages: int, first: int, last: int) -> tuple[int, ...]:
     """The list with `first` and `last` layers on the end stages and the rest spread over the
     middle ones, the later middle stages taking the remainder (they keep fewer micro-batches in
@@ -55,27 +50,6 @@ def split_from_ends(n_layers: int, n_stages: int, first: int, last: int) -> tupl
     mid = n_stages - 2
     base, extra = divmod(n_layers - first - last, mid)
     return (first, *([base] * (mid - extra)), *([base + 1] * extra), last)
-
-
-def format_split(layers: Sequence[int]) -> str:
-    """`7-8x14-7`: a run of equal counts as COUNTxTIMES (the key form; parse_split inverts)."""
-    parts: list[str] = []
-    i = 0
-    while i < len(layers):
-        j = i
-        while j < len(layers) and layers[j] == layers[i]:
-            j += 1
-        parts.append(str(layers[i]) if j - i == 1 else f"{layers[i]}x{j - i}")
-        i = j
-    return "-".join(parts)
-
-
-def parse_split(text: str) -> tuple[int, ...]:
-    out: list[int] = []
-    for part in text.split("-"):
-        count, _, times = part.partition("x")
-        out += [int(count)] * (int(times) if times else 1)
-    return tuple(out)
 
 
 def split_problem(layers: Sequence[int], n_stages: int, n_layers: int) -> str:

@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
+from workbench.layout import format_split
 from workbench.plan.cost.columns import RECOMPUTE, Recompute, Schedule, columns
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
-from workbench.plan.cost.stages import format_split
 from workbench.plan.pools.cluster import Pool, links, pools_of
 from workbench.plan.pools.pipeline import (
     PoolCosts,

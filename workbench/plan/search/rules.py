@@ -1,7 +1,7 @@
 """When a layout can run a model at a world size: every rule written once, over layout columns.
 
-`workbench.layout.validate` checks one layout with these rules (a one-row column set) and raises
-the ConfigError of the first one it breaks; the exhaustive search rejects whole columns of
+`validate_layout` checks one layout with these rules (a one-row column set) and raises the
+ConfigError of the first one it breaks; the exhaustive search rejects whole columns of
 layouts with them; the Optuna search draws its degrees from the values they allow. So the run
 entry, `layout=auto`, the ranking and Optuna cannot disagree about what is valid.
 
@@ -22,7 +22,8 @@ import numpy as np
 
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
-from workbench.plan.cost.columns import RECOMPUTE, SCHEDULES, Columns, Schedule
+from workbench.layout import RECOMPUTE, SCHEDULES, Layout
+from workbench.plan.cost.columns import Columns, Schedule, layout_columns
 from workbench.plan.cost.stages import split_problem
 
 Test = Callable[[ModelConfig, Any, Columns], Any]
@@ -150,6 +151,16 @@ def first_broken(model: ModelConfig, world: Any, a: Columns,
 def select(names: Sequence[str], rules: Sequence[Rule] = COST_RULES) -> tuple[Rule, ...]:
     """The rules with these names, in rule order."""
     return tuple(r for r in rules if r.name in names)
+
+
+def validate_layout(layout: Layout, model: ModelConfig, world_size: int) -> None:
+    """Reject a layout that cannot run this model at this world size, before any process
+    starts; the error names the rule (the first of RULES that it breaks: the rules the planner
+    ranks by, so a layout the run refuses is one the ranking rejects)."""
+    first = int(first_broken(model, world_size, layout_columns([layout]))[0])
+    if first:
+        rule = RULES[first - 1]
+        raise ConfigError(rule.key, rule.value(layout), rule.message(model, world_size, layout))
 
 
 def engine_only(e: ConfigError) -> bool:
