@@ -91,7 +91,7 @@ def predict(row: dict[str, str], kinds: list[str]) -> tuple[float, bool]:
     a = columns(dpr=dp, dps=1, tp=tp, pp=1, cp=1, sp=0, mb=mb, rc=0, sched=1, v=1)
     a["ga"] = np.array([gb / (dp * mb)])
     ms = model_shape(MODEL)
-    costs = [pool_costs(ms, by_name[n], SOFTWARE, a, float(gb)) for n in uniq]
+    costs = [pool_costs(ms, by_name[n], SOFTWARE, a) for n in uniq]
     idx = np.array([[uniq.index(p.name) for p in stage_pools]])
     cross = np.full((1, pp - 1), np.nan)
     for s in range(pp - 1):  # a boundary between different node types pays the P3 <-> G4dn NIC

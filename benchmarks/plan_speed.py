@@ -2,7 +2,7 @@
 
     python benchmarks/plan_speed.py        (targets: >= 1,000,000 layouts/s; 405B space < 10 s)
 
-The space holds every pipeline once per candidate stage split (workbench.plan.stages); the
+The space holds every pipeline once per candidate stage split (workbench.plan.search.splits); the
 baseline, measured in the same run, is the even-split space alone (the space before uneven
 stages), so the ratio shows what the splits cost per layout.
 """

@@ -11,11 +11,10 @@ from hypothesis import strategies as st
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.estimate import MEM_TERMS, TIME_TERMS, estimate
 from workbench.plan.cost.hardware import cluster_for, match_gpu
 from workbench.plan.cost.shapes import lowrank_flops_ratio, model_shape
 from workbench.plan.cost.software import Software
-from workbench.plan.cost.terms import MEM_TERMS, TIME_TERMS
 
 MODEL = ModelConfig(name="m", family="llama", n_layers=16, hidden=2048, n_heads=16,
                     n_kv_heads=8, ffn_hidden=5632, vocab=32000, seq_len=2048)

@@ -18,14 +18,14 @@ from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
 from workbench.plan.accuracy.predict import apply_facts, read_rows
 from workbench.plan.accuracy.published import _software, row_case, torchtitan_split
+from workbench.plan.cost.activations import activation_bytes_per_token
 from workbench.plan.cost.coefficients import coefficients
 from workbench.plan.cost.columns import layout_columns
-from workbench.plan.cost.estimate import Estimate, estimate
+from workbench.plan.cost.estimate import Estimate, estimate, evaluate
 from workbench.plan.cost.hardware import cluster_for, hardware_for
-from workbench.plan.cost.memory_terms import activation_bytes_per_token, gather_bytes
+from workbench.plan.cost.memory import gather_bytes
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
-from workbench.plan.cost.terms import evaluate
 
 PROJECT_CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration"
 
@@ -321,7 +321,7 @@ def test_fsdp_float8_all_gather_sends_the_block_linears_in_one_byte() -> None:
 
     def fsdp_seconds(sw: Software) -> float:
         t = evaluate(model_shape(model), hardware_for(cluster), coefficients(cluster), sw,
-                     layout_columns([lay]), 16.0)
+                     layout_columns([lay]))
         return float(t["time_dp_comm_exposed_s"][0] + t["time_dp_comm_overlapped_s"][0])
 
     ms = model_shape(model)

@@ -18,7 +18,7 @@ from workbench.plan.accuracy.predict import read_rows
 from workbench.plan.accuracy.published import row_case
 from workbench.plan.cost.coefficients import defaults_for
 from workbench.plan.cost.estimate import estimate
-from workbench.plan.cost.gemm_tiles import tile_fill
+from workbench.plan.cost.gemm_fill import tile_fill
 from workbench.plan.cost.hardware import cluster_for, match_gpu
 from workbench.plan.cost.software import Software
 

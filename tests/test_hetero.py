@@ -50,8 +50,8 @@ def test_pools_take_datasheet_figures_and_reject_bad_links() -> None:
 @pytest.mark.parametrize("tp,dp,pp,split", [(2, 2, 2, (16, 16)), (1, 2, 4, (8, 8, 8, 8)),
                                             (2, 4, 1, (32,)), (1, 1, 8, (4,) * 8)])
 def test_one_pool_stage_costs_agree_with_the_cost_model(tp, dp, pp, split) -> None:
-    """Stages built from terms.evaluate per pool give the cost model's own memory exactly and
-    its step time within 6% (the DP overlap and the end transfers are approximated linearly)."""
+    """Stages built from the cost model's evaluate per pool give its own memory exactly and its
+    step time within 6% (the DP overlap and the end transfers are approximated linearly)."""
     cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
                    "train.global_batch=32"])
     lay = Layout(dp_replicate=dp, tp=tp, pp=pp, micro_batch=1, grad_accum=32 // dp,
@@ -59,7 +59,7 @@ def test_one_pool_stage_costs_agree_with_the_cost_model(tp, dp, pp, split) -> No
     est = estimate(cfg.model, cfg.cluster, cfg.train, lay)
     a = layout_columns([lay])
     costs = pool_costs(model_shape(cfg.model), pools_of(cfg.cluster)[0],
-                       software_for(cfg.train, cfg.cluster), a, 32.0)
+                       software_for(cfg.train, cfg.cluster), a)
     st = build([costs], np.zeros((1, pp), dtype=np.int64), np.zeros(1, dtype=np.int64),
                np.full((1, pp - 1), np.nan), a["ga"])
     out = step(st, np.array([split], dtype=float), a["ga"])

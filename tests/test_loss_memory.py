@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from workbench.plan.cost.memory_terms import gathered_loss_bytes_per_logit
+from workbench.plan.cost.activations import gathered_loss_bytes_per_logit
 from workbench.plan.cost.software import Software
 
 # The last stage's loss step of scaling's pipeline engine, op for op: the LM head's 16-bit

@@ -1,5 +1,6 @@
-"""Memory itemization rules of workbench.plan.memory_terms that the published-runs benchmark
-relies on: what an unfused stack keeps for the backward, without changing any time term."""
+"""Memory itemization rules of workbench.plan.cost.activations and .memory that the published-runs
+benchmark relies on: what an unfused stack keeps for the backward, without changing any time
+term."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_unfused_ops_add_their_saved_tensors_and_no_time() -> None:
 def test_eager_norm_keeps_an_fp32_copy_unless_training_in_fp32() -> None:
     """`_norm(x.float()).type_as(x) * weight` saves the fp32 copy and the cast-back normalized
     tensor (16-bit: 4 + 2 bytes an element); in fp32 `.float()` is the input itself (4 + 4)."""
-    from workbench.plan.cost.memory_terms import eager_norm_bytes_per_elem
+    from workbench.plan.cost.activations import eager_norm_bytes_per_elem
 
     assert eager_norm_bytes_per_elem(2.0) == 6.0
     assert eager_norm_bytes_per_elem(4.0) == 8.0
@@ -72,7 +73,7 @@ def test_interleaved_inflight_is_megatrons_warmup_capped_at_all_forwards() -> No
     141 / 8 on rank 1; a group N = 8 holds 2 x 15 + 7 x 8 + 1 = 87 chunks on rank 0."""
     import numpy as np
 
-    from workbench.plan.cost.stages import inflight_per_layer
+    from workbench.plan.cost.memory import inflight_per_layer
 
     def on(pp: float, ga: float, v: float, group: float = 0.0) -> tuple[float, float]:
         f, s = inflight_per_layer(np.array([pp]), np.array([ga]), np.array([False]),

@@ -206,7 +206,7 @@ def test_fsdp_reduce_scatters_every_micro_batch(two_ranks):
     """Without a pipeline, FSDP reduce-scatters each micro-batch's fp32 gradients (counted as
     the unreduced input: every parameter, 4 bytes) rather than keeping unsharded gradients
     until the last one: grad_accum x the gradient bytes a step, what the cost model charges
-    (workbench.plan.terms.data_parallel) and what its memory itemization assumes."""
+    (workbench.plan.cost.data_parallel) and what its memory itemization assumes."""
     from workbench.train.model import n_params
 
     cfg = make_cfg(LAYOUTS_2["fsdp"])

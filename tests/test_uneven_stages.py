@@ -3,7 +3,7 @@ loss parity is tests/test_uneven_stages_ranks.py).
 
 The planner holds a split as first / last / fullest-middle layer counts; for identical layers the
 family it scores reaches the optimum of the general dynamic program over layers
-(workbench.plan.stages.balance_stages), which these tests check on a grid of head costs."""
+(workbench.plan.search.splits.balance_stages), which these tests check on a grid of head costs."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from test_plan_rules import rule_of
 from workbench.compose import compose
 from workbench.errors import ConfigError
 from workbench.layout import Layout, resolve
-from workbench.plan.cost.columns import Schedule, layout_fields
+from workbench.plan.cost.columns import Schedule, layout_fields, split_from_ends
 from workbench.plan.cost.estimate import estimate
-from workbench.plan.cost.stages import balance_stages, candidate_ends, split_from_ends
 from workbench.plan.search.exhaustive import REASONS, best_layout, rank_layouts, reasons
 from workbench.plan.search.rules import validate_layout
 from workbench.plan.search.space import enumerate_space
+from workbench.plan.search.splits import balance_stages, candidate_ends
 
 LLAMA3 = (7,) + (8,) * 14 + (7,)  # Llama 3 405B on 16 stages (the herd paper, section 3.3.2)
 

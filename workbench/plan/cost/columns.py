@@ -14,7 +14,7 @@ Columns (all float64, one value per layout):
     sched  a Schedule code (-1: a name that is none of them)
     v      virtual pipeline stages per rank
     lf, ll, lm  layers on the first, the last and the fullest middle global stage (-1: the even
-           split; workbench.plan.stages)
+           split; workbench.plan.cost.stages says how a rank's stages are timed)
     lsum   layers the per-stage list holds (-1: the even split, or a list of the wrong shape)
 
 """
@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from workbench.layout import RECOMPUTE, SCHEDULES, format_key, format_split
-from workbench.plan.cost.stages import split_columns, split_from_ends
 
 Columns = dict[str, np.ndarray]
 
@@ -73,6 +72,39 @@ def columns(*, dpr: Any, dps: Any, tp: Any, pp: Any, cp: Any, sp: Any, mb: Any, 
     cols = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64).reshape(-1)
                                  for x in given.values()))
     return {k: np.ascontiguousarray(x) for k, x in zip(given, cols)}
+
+
+def split_from_ends(n_layers: int, n_stages: int, first: int, last: int) -> tuple[int, ...]:
+    """The list with `first` and `last` layers on the end stages and the rest spread over the
+    middle ones, the later middle stages taking the remainder (they keep fewer micro-batches in
+    flight under 1F1B)."""
+    if n_stages == 1:
+        return (n_layers,)
+    if n_stages == 2:
+        return (first, last)
+    mid = n_stages - 2
+    base, extra = divmod(n_layers - first - last, mid)
+    return (first, *([base] * (mid - extra)), *([base + 1] * extra), last)
+
+def split_problem(layers: Sequence[int], n_stages: int, n_layers: int) -> str:
+    """Why a per-stage list cannot split this model (empty: it can)."""
+    if len(layers) != n_stages:
+        return f"has {len(layers)} entries; needs pp*virtual_stages={n_stages}"
+    if any(n < 0 for n in layers) or any(n < 1 for n in layers[1:-1]):
+        return "needs >= 0 layers on the first and last stage and >= 1 on every other"
+    if sum(layers) != n_layers:
+        return f"sums to {sum(layers)}; needs model.n_layers={n_layers}"
+    return ""
+
+def split_columns(layers: Sequence[int], n_stages: int) -> tuple[float, float, float, float]:
+    """(lf, ll, lm, lsum) of one layout's list: -1s for the even split; lsum -1 when the list's
+    shape is wrong for n_stages (a rule then names the problem)."""
+    if not layers:
+        return -1.0, -1.0, -1.0, -1.0
+    if split_problem(layers, n_stages, sum(layers)):
+        return 0.0, 0.0, 0.0, -1.0
+    mid = layers[1:-1]
+    return float(layers[0]), float(layers[-1]), float(max(mid) if mid else 0), float(sum(layers))
 
 
 def layout_columns(layouts: Iterable[Any]) -> Columns:

@@ -3,7 +3,8 @@
 A planner that says "does not fit" or "fits" is only useful if a user can check why: this prints
 the peak-memory itemization of the rank that peaks (weights, gradients, optimizer states,
 activations, each buffer, fragmentation and fixed allowances) and the step-time terms, from the
-same `terms.evaluate` the ranking uses, so the parts always add up to what the ranking printed.
+same `evaluate` (workbench.plan.cost.estimate) the ranking uses, so the parts always add up to
+what the ranking printed.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from workbench.errors import ConfigError
 from workbench.layout import Layout
 from workbench.plan.cost.coefficients import Coefficients, coefficients
 from workbench.plan.cost.columns import layout_columns
-from workbench.plan.cost.estimate import _to_estimate
+from workbench.plan.cost.communication import group_bw, nic_rails
+from workbench.plan.cost.estimate import MEM_TERMS, TIME_TERMS, estimate_of_row, evaluate
 from workbench.plan.cost.hardware import GIB, GpuSpec, hardware_for
-from workbench.plan.cost.links import group_bw, nic_rails
+from workbench.plan.cost.per_rank import per_rank
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
-from workbench.plan.cost.terms import MEM_TERMS, TIME_TERMS, evaluate, setup
 from workbench.plan.search.rules import engine_only, validate_layout
 
-# (label, key in terms.evaluate) in print order; the buffer and fixed lines are their parts.
+# (label, key in evaluate's terms) in print order; the buffer and fixed lines are their parts.
 MEMORY_LINES = (
     ("weights", "mem_params_bytes"), ("gradients", "mem_grads_bytes"),
     ("optimizer states", "mem_optimizer_bytes"), ("activations", "mem_activations_bytes"),
@@ -99,26 +100,27 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
             raise
     if margin_gib < 0:
         raise ConfigError("--margin-gib", margin_gib, "a non-negative number of GiB")
-    ms, hw = model_shape(model, lowrank), hardware_for(cluster)
-    sw, co = software or software_for(train, cluster), coefficients(cluster)
-    a = layout_columns([layout])
-    t = evaluate(ms, hw, co, sw, a, float(layout.global_batch))
-    est = _to_estimate(t, ms, hw, sw, a, float(layout.global_batch), layout.world_size, 0)
-    x = setup(ms, hw, co, sw, a)
-    dps, dpr = float(x.dps[0]), float(x.dpr[0])
+    shape, gpu = model_shape(model, lowrank), hardware_for(cluster)
+    software, coeff = software or software_for(train, cluster), coefficients(cluster)
+    cols = layout_columns([layout])
+    t = evaluate(shape, gpu, coeff, software, cols)
+    est = estimate_of_row(t, shape, gpu, software, cols, float(layout.global_batch),
+                          layout.world_size, 0)
+    rank = per_rank(shape, gpu, coeff, software, cols)
+    shards, replicas = float(rank.shard_ranks[0]), float(rank.reduce_ranks[0])
     groups = {"tensor parallel": (layout.tp, 1), "context parallel": (layout.cp, layout.tp),
-              "data parallel, sharded": (dps, layout.tp),
-              "data parallel, replicated": (dpr, float(x.dpr_stride[0])),
-              "pipeline send": (2 if layout.pp > 1 else 1, layout.tp * dpr * dps)}
+              "data parallel, sharded": (shards, layout.tp),
+              "data parallel, replicated": (replicas, float(rank.reduce_stride[0])),
+              "pipeline send": (2 if layout.pp > 1 else 1, layout.tp * replicas * shards)}
     mem = {label: float(t[k][0]) for label, k in MEMORY_LINES}
     mem[FIXED_LABEL] = float(t["mem_fixed_bytes"][0] - t["mem_fragmentation_bytes"][0])
     return Explanation(layout=layout, memory_bytes=mem,
                        peak_bytes=float(sum(t[k][0] for k in MEM_TERMS)),
-                       hbm_bytes=hw.hbm_bytes, margin_bytes=margin_gib * GIB,
+                       hbm_bytes=gpu.hbm_bytes, margin_bytes=margin_gib * GIB,
                        peak_rank=int(t["mem_peak_rank"][0]),
                        time_s={k: float(t[k][0]) for k in TIME_TERMS},
                        step_time_s=est.step_time_s, mfu=est.mfu,
-                       links={name: _link_of(size, stride, hw, co)
+                       links={name: _link_of(size, stride, gpu, coeff)
                               for name, (size, stride) in groups.items() if size > 1})
 
 

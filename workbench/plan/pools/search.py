@@ -147,7 +147,7 @@ def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     sw = software or software_for(train, cluster)
     base = base_space(pools, gb)
     costs: list[PoolCosts] = [replace(c, hbm_bytes=c.hbm_bytes - margin_bytes)
-                              for c in (pool_costs(ms, p, sw, base, float(gb)) for p in pools)]
+                              for c in (pool_costs(ms, p, sw, base) for p in pools)]
     rows, seqs = _layouts(pools, base)
     s_max = max(len(s) for s in seqs)
     stage_pool = np.full((len(rows), s_max), -1, dtype=np.int64)
@@ -218,7 +218,7 @@ def plan_pipeline(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
     base = columns(dpr=np.array([1.0]), dps=1, tp=1, pp=1, cp=1, sp=0, mb=float(micro_batch),
                    rc=float(Recompute.NONE), sched=Schedule.ONE_F_ONE_B, v=1)
     base["ga"] = np.array([gb / micro_batch])
-    costs = [pool_costs(ms, p, sw, base, float(gb)) for p in pools]
+    costs = [pool_costs(ms, p, sw, base) for p in pools]
     idx = [names.index(s) for s in stage_pools]
     link = links(cluster, pools)
     row = np.zeros(1, dtype=np.int64)

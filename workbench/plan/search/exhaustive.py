@@ -16,12 +16,11 @@ from workbench.errors import ConfigError
 from workbench.layout import Layout
 from workbench.plan.cost.coefficients import Coefficients, coefficients
 from workbench.plan.cost.columns import Columns, layout_fields
-from workbench.plan.cost.estimate import flops_per_step
+from workbench.plan.cost.estimate import evaluate, flops_per_step
 from workbench.plan.cost.hardware import hardware_for
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
-from workbench.plan.cost.terms import evaluate
 from workbench.plan.search.rules import COST_RULES, RULES, first_broken
 from workbench.plan.search.space import enumerate_space
 
@@ -83,7 +82,7 @@ def score(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     sub = {k: v[ok] for k, v in arrays.items()}
     ms, hw = model_shape(model, lowrank), hardware_for(cluster)
     sw = software or software_for(train, cluster)
-    t = evaluate(ms, hw, coeff or coefficients(cluster), sw, sub, float(gb))
+    t = evaluate(ms, hw, coeff or coefficients(cluster), sw, sub)
     full = {k: np.full(n, np.nan) for k in ("tok", "mfu", "step", "mem")}
     model_f, _ = flops_per_step(ms, gb, sub, sw)
     peak = hw.peak_fp32_flops if sw.precision == "fp32" else hw.peak_bf16_flops

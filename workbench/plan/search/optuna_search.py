@@ -36,7 +36,8 @@ from workbench.plan.cost.columns import SCHEDULES, Recompute, Schedule, code, co
 from workbench.plan.cost.software import Software
 from workbench.plan.search.exhaustive import MEMORY_REASONS, REASONS, score
 from workbench.plan.search.rules import COST_RULES, first_broken, select
-from workbench.plan.search.space import MICRO_BATCHES, SCHED_V, divisors, with_splits
+from workbench.plan.search.space import MICRO_BATCHES, SCHED_V, divisors
+from workbench.plan.search.splits import with_splits
 
 # the rules a micro-batch is repaired against (the batch splits into whole micro-batches, and
 # enough of them for the pipeline)

@@ -23,8 +23,7 @@ import numpy as np
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
 from workbench.layout import RECOMPUTE, SCHEDULES, Layout
-from workbench.plan.cost.columns import Columns, Schedule, layout_columns
-from workbench.plan.cost.stages import split_problem
+from workbench.plan.cost.columns import Columns, Schedule, layout_columns, split_problem
 
 Test = Callable[[ModelConfig, Any, Columns], Any]
 

@@ -13,9 +13,8 @@ import numpy as np
 
 from workbench.config import ModelConfig
 from workbench.plan.cost.columns import Columns, Recompute, Schedule, columns
-from workbench.plan.cost.shapes import model_shape
-from workbench.plan.cost.stages import candidate_ends, ends_columns
 from workbench.plan.search.rules import select
+from workbench.plan.search.splits import with_splits
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # (schedule, virtual stages) pairs the space holds for pp > 1
@@ -44,7 +43,7 @@ def enumerate_space(world: int, model: ModelConfig | None = None) -> Columns:
     with micro-batch, recompute, sequence parallel and schedule; left out are sequence parallel
     without tp (its rule could only reject them) and schedules without a pipeline (pp = 1 runs
     1F1B with one stage). Given the model, every pipeline is crossed with the stage splits of
-    workbench.plan.stages.candidates (the even split alone otherwise)."""
+    workbench.plan.search.splits (the even split alone otherwise)."""
     deg = _degree_tuples(world)
     combos = np.array([(mb, rc, sp, s, v) for mb, rc, sp, (s, v) in itertools.product(
         MICRO_BATCHES, Recompute, (0, 1), SCHED_V)], dtype=np.float64)
@@ -58,24 +57,3 @@ def enumerate_space(world: int, model: ModelConfig | None = None) -> Columns:
         (a["sched"] == Schedule.ONE_F_ONE_B) & (a["v"] == 1)))
     a = {name: col[keep] for name, col in a.items()}
     return a if model is None else with_splits(a, model)
-
-
-def with_splits(a: Columns, model: ModelConfig) -> Columns:
-    """Each layout once per candidate split of its pp * v global stages (lf/ll/lm/lsum)."""
-    ms = model_shape(model)
-    head_layers = ms.vocab * ms.hidden / (ms.mean_layer_matmul_params()
-                                         + 2.0 * ms.seq_len * ms.q_width)
-    n_stages = (a["pp"] * a["v"]).astype(np.int64)
-    uniq, inv = np.unique(n_stages, return_inverse=True)
-    cands = [candidate_ends(model.n_layers, int(s), head_layers) for s in uniq]
-    table = np.full((len(uniq), max(len(cs) for cs in cands), 4), -1.0)
-    for i, (s, cs) in enumerate(zip(uniq, cands)):
-        for j, (first, last) in enumerate(cs):
-            table[i, j] = ends_columns(model.n_layers, int(s), first, last)
-    counts = np.array([len(cs) for cs in cands])[inv]
-    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    out = {name: np.repeat(col, counts) for name, col in a.items()}
-    at = np.repeat(inv, counts)
-    for j, name in enumerate(("lf", "ll", "lm", "lsum")):
-        out[name] = np.ascontiguousarray(table[at, within, j])
-    return out
