@@ -32,7 +32,7 @@ from workbench.plan.cost.columns import columns
 from workbench.plan.cost.hardware import match_gpu
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
-from workbench.plan.pools.cluster import Link, Pool, spanning
+from workbench.plan.pools.cluster import Pool, PoolLink, spanning
 from workbench.plan.pools.pipeline import build, pool_costs, step
 
 DATA = Path(__file__).resolve().parent / "calibration" / "amp_het_cluster.csv"
@@ -50,7 +50,7 @@ SOFTWARE = Software(precision="fp16", flash_attention=False, dropout=True, overl
 # node types per sweep (node i holds ranks 4i..4i+3) and the network between P3 and G4dn nodes:
 # the P3.8xlarge's 10 Gb/s NIC shared by its 4 GPUs
 NODES = {"het_cluster": ["V100", "V100", "V100", "T4"], "homogeneous": ["T4"] * 4}
-CROSS = Link(10e9 / 8 / GPUS_PER_NODE, 20e-6)
+CROSS = PoolLink(10e9 / 8 / GPUS_PER_NODE, 20e-6)
 
 
 def _pools(kinds: list[str]) -> dict[str, Pool]:

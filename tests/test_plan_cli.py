@@ -278,14 +278,14 @@ def test_explain_shows_the_bandwidth_each_group_gets(capsys) -> None:
     cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=4", "train.dtype=bf16"])
     hw, co = hardware_for(cfg.cluster), coefficients(cfg.cluster)
     x = explain(cfg.model, cfg.cluster, cfg.train, "dpr16_dps1_tp2_pp1_cp1_mb1_ga1_rc-none")
-    tp, dp = x.links["tensor parallel"], x.links["data parallel, replicated"]
+    tp, dp = x.paths["tensor parallel"], x.paths["data parallel, replicated"]
     assert (tp.size, tp.nodes, tp.nics) == (2, 1, 0)
     assert tp.bytes_per_s == pytest.approx(hw.intra_node_gbps * co.link_eff_intra * 1e9)
     assert (dp.size, dp.stride, dp.nodes, dp.nics) == (16, 2, 4, 4)
     assert dp.bytes_per_s == pytest.approx(4 * hw.inter_node_gbps * co.link_eff_inter * 1e9)
-    assert set(x.links) == {"tensor parallel", "data parallel, replicated"}
+    assert set(x.paths) == {"tensor parallel", "data parallel, replicated"}
     pp = explain(cfg.model, cfg.cluster, cfg.train, "dpr1_dps8_tp2_pp2_cp1_mb1_ga2_rc-none"
-                 ).links["pipeline send"]
+                 ).paths["pipeline send"]
     assert (pp.size, pp.stride, pp.nics) == (2, 16, 1)
     assert plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=4",
                            "train.dtype=bf16", "--explain",

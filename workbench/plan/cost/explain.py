@@ -41,10 +41,10 @@ FIXED_LABEL = "fixed (CUDA context, NCCL, cuBLAS)"
 
 
 @dataclass(frozen=True)
-class Link:
-    """The bandwidth the model gives one group's collectives: `size` ranks `stride` apart, over
-    `nodes` nodes, using `nics` NICs of each node (NCCL's rails: one ring per member on a node);
-    nics 0 inside a node (NVLink)."""
+class GroupPath:
+    """The path one group's collectives take and the bandwidth the model gives it: `size` ranks
+    `stride` apart, over `nodes` nodes, using `nics` NICs of each node (NCCL's rails: one ring
+    per member on a node); nics 0 inside a node (NVLink)."""
 
     size: int
     stride: int
@@ -66,7 +66,7 @@ class Explanation:
     time_s: dict[str, float]
     step_time_s: float
     mfu: float
-    links: dict[str, Link]
+    paths: dict[str, GroupPath]
 
     @property
     def fits(self) -> bool:
@@ -120,20 +120,20 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
                        peak_rank=int(t["mem_peak_rank"][0]),
                        time_s={k: float(t[k][0]) for k in TIME_TERMS},
                        step_time_s=est.step_time_s, mfu=est.mfu,
-                       links={name: _link_of(size, stride, gpu, coeff)
+                       paths={name: _path_of(size, stride, gpu, coeff)
                               for name, (size, stride) in groups.items() if size > 1})
 
 
-def _link_of(size: float, stride: float, hw: GpuSpec, co: Coefficients) -> Link:
-    """The terms' own bandwidth for a group (links.group_bw) and what it assumed: a user whose
-    stack's collectives do not use a NIC per member (hagemann2023's in-step sync ran 6-9x
-    slower than this) sees the assumption here and sets cluster.inter_node_gbps to match."""
-    n, st = np.array([float(size)]), np.array([float(stride)])
-    inside = size * stride <= hw.gpus_per_node
-    return Link(size=int(size), stride=int(stride),
-                nodes=1 if inside else int(-(-size * stride // hw.gpus_per_node)),
-                nics=0 if inside else int(nic_rails(n, st, hw)[0]),
-                bytes_per_s=float(group_bw(n, st, hw, co)[0]))
+def _path_of(size: float, stride: float, gpu: GpuSpec, coeff: Coefficients) -> GroupPath:
+    """The terms' own bandwidth for a group (communication.group_bw) and what it assumed: a
+    user whose stack's collectives do not use a NIC per member (the README's hagemann2023
+    notes) sees the assumption here and sets cluster.inter_node_gbps to match."""
+    sizes, strides = np.array([float(size)]), np.array([float(stride)])
+    inside = size * stride <= gpu.gpus_per_node
+    return GroupPath(size=int(size), stride=int(stride),
+                     nodes=1 if inside else int(-(-size * stride // gpu.gpus_per_node)),
+                     nics=0 if inside else int(nic_rails(sizes, strides, gpu)[0]),
+                     bytes_per_s=float(group_bw(sizes, strides, gpu, coeff)[0]))
 
 
 def render(x: Explanation) -> list[str]:
@@ -153,8 +153,9 @@ def render(x: Explanation) -> list[str]:
         out.append(f"  {k.removeprefix('time_').removesuffix('_s'):<40}{s:>10.4f} s")
     out.append(f"  {'total':<40}{x.step_time_s:>10.4f} s   (MFU {x.mfu:.1%})")
     out.append("links (GB/s the model gives each group; across nodes, a NIC per member on a node):")
-    for name, k in x.links.items():
-        where = ("inside a node" if not k.nics else
-                 f"over {k.nodes} nodes, {k.nics} NIC{'s' if k.nics > 1 else ''} per node")
-        out.append(f"  {name:<27}{k.size:>5} ranks {where:<34}{k.bytes_per_s / 1e9:>8.1f} GB/s")
+    for name, path in x.paths.items():
+        where = ("inside a node" if not path.nics else
+                 f"over {path.nodes} nodes, {path.nics} NIC{'s' if path.nics > 1 else ''} per node")
+        out.append(f"  {name:<27}{path.size:>5} ranks {where:<34}"
+                   f"{path.bytes_per_s / 1e9:>8.1f} GB/s")
     return out

@@ -35,7 +35,7 @@ from workbench.plan.cost.communication import collective_link, group_bw
 from workbench.plan.cost.estimate import OPTIMIZER_BYTES_PER_PARAM, evaluate
 from workbench.plan.cost.shapes import ModelShape
 from workbench.plan.cost.software import Software
-from workbench.plan.pools.cluster import Link, Pool
+from workbench.plan.pools.cluster import Pool, PoolLink
 
 STATE = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes")
 
@@ -174,12 +174,13 @@ def build(costs: list[PoolCosts], pool_idx: np.ndarray, base_idx: np.ndarray,
                   lo=np.where(on & ~first & ~last, 1.0, 0.0), u_parts=u_parts, w_parts=w_parts)
 
 
-def cross_time(costs: list[PoolCosts], pools: list[Pool], links: dict[tuple[str, str], Link],
-               a_pool: int, b_pool: int, base_idx: np.ndarray) -> np.ndarray:
+def cross_time(costs: list[PoolCosts], pools: list[Pool],
+               pool_links: dict[tuple[str, str], PoolLink], a_pool: int, b_pool: int,
+               base_idx: np.ndarray) -> np.ndarray:
     """One activation transfer over the link from pool a to pool b (nan: the same pool)."""
     if a_pool == b_pool:
         return np.full(len(base_idx), np.nan)
-    link = links[(pools[a_pool].name, pools[b_pool].name)]
+    link = pool_links[(pools[a_pool].name, pools[b_pool].name)]
     eff = min(costs[a_pool].link_eff, costs[b_pool].link_eff)
     return costs[a_pool].p2p_bytes[base_idx] / (link.bytes_per_s * eff) + link.latency_s
 

@@ -23,7 +23,7 @@ from workbench.plan.cost.columns import RECOMPUTE, Recompute, Schedule, columns
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
-from workbench.plan.pools.cluster import Pool, links, pools_of
+from workbench.plan.pools.cluster import Pool, pool_links, pools_of
 from workbench.plan.pools.pipeline import (
     PoolCosts,
     Stages,
@@ -153,7 +153,7 @@ def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     stage_pool = np.full((len(rows), s_max), -1, dtype=np.int64)
     for i, seq in enumerate(seqs):
         stage_pool[i, :len(seq)] = seq
-    link = links(cluster, pools)
+    link = pool_links(cluster, pools)
     cross = np.full((len(rows), max(s_max - 1, 0)), np.nan)
     for j in range(s_max - 1):
         for pa, pb in itertools.permutations(range(len(pools)), 2):
@@ -220,7 +220,7 @@ def plan_pipeline(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
     base["ga"] = np.array([gb / micro_batch])
     costs = [pool_costs(ms, p, sw, base) for p in pools]
     idx = [names.index(s) for s in stage_pools]
-    link = links(cluster, pools)
+    link = pool_links(cluster, pools)
     row = np.zeros(1, dtype=np.int64)
     cross = np.array([[cross_time(costs, pools, link, a, b, row)[0]
                        for a, b in zip(idx, idx[1:])]]).reshape(1, -1)
