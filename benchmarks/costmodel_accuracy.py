@@ -82,7 +82,7 @@ def measured_vs_predicted(rows: list[dict[str, str]]) -> list[tuple[dict[str, st
     return out
 
 
-# Sources whose rows set a coefficient's default (see workbench/plan/coefficients.py): their
+# Sources whose rows set a coefficient's default (see workbench/plan/cost/coefficients.py): their
 # error is not an out-of-sample test of that coefficient.
 SETS_COEFFICIENT = {
     "sc21_t1": "mm_eff_max[A100]", "sc21_t2": "mm_eff_max[A100], zero3_gather_eff, zero3_overlap",

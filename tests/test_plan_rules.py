@@ -1,4 +1,4 @@
-"""The feasibility rules are written once (workbench/plan/rules.py): layout.validate, the
+"""The feasibility rules are written once (workbench/plan/search/rules.py): validate_layout, the
 exhaustive ranking's rejections, layout=auto and the Optuna space all agree on every layout."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def rule_of(err: ConfigError, model: ModelConfig, world: int, lay: Layout):
 
 @pytest.mark.parametrize("world", [8, 12, 16, 24])
 def test_validate_and_the_ranking_reject_the_same_layouts(world: int) -> None:
-    """Rows of the planner's space with a whole grad_accum: layout.validate passes exactly where
+    """Rows of the planner's space with a whole grad_accum: validate_layout passes exactly where
     the ranking finds no broken rule and no engine rule applies, and a rule that validate names
     (not an engine one) is the one the ranking counts the layout under."""
     rng = random.Random(world)
@@ -83,7 +83,7 @@ def test_validate_raises_the_first_rule_with_its_message() -> None:
 @pytest.mark.parametrize("world", [8, 12, 16])
 def test_optuna_space_is_what_the_rules_allow(world: int) -> None:
     """A degree is in Optuna's space exactly when that degree alone (everything else 1, GPipe)
-    passes layout.validate; cp is capped at 32 by the search. Engine rules do not shrink the
+    passes validate_layout; cp is capped at 32 by the search. Engine rules do not shrink the
     space (the cost model ranks such layouts), so validate runs on the model without what
     triggers them (tied embeddings, a vocabulary tp may not divide)."""
     for model in models():

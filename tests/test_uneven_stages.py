@@ -118,7 +118,7 @@ def test_a_list_is_scored_by_its_fullest_stage() -> None:
 
 @pytest.mark.parametrize("world", [8, 16])
 def test_validate_and_the_ranking_agree_on_uneven_splits(world: int) -> None:
-    """The planner's split rows (with a whole grad_accum) pass layout.validate exactly where the
+    """The planner's split rows (with a whole grad_accum) pass validate_layout exactly where the
     ranking finds no broken rule (engine-only rules aside), as for the even ones."""
     rng = random.Random(world)
     for name in ("llama3_8b", "gpt_tiny"):

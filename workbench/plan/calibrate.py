@@ -13,7 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from workbench.cli import ArgParser, guarded
+from workbench.compose import compose
 from workbench.config import CONF_DIR, ClusterConfig
 from workbench.errors import ConfigError, InputError
 from workbench.plan.accuracy.fit import (
@@ -24,6 +27,7 @@ from workbench.plan.accuracy.fit import (
     load_cases,
     write_coeff,
 )
+from workbench.plan.accuracy.mlflow_runs import load_mlflow_cases
 from workbench.plan.accuracy.predict import read_rows
 from workbench.plan.cost.coefficients import NAMES, coefficients
 
@@ -51,13 +55,9 @@ def main(argv: list[str]) -> int:
     if not path.is_file():
         valid = sorted(q.stem for q in (args.conf_dir / "cluster").glob("*.yaml"))
         raise ConfigError("--cluster", args.cluster, f"no such cluster; valid: {', '.join(valid)}")
-    from workbench.compose import compose
-
     cluster = compose([f"cluster={args.cluster}"]).cluster if args.conf_dir == CONF_DIR else \
         _load_cluster(path)
     if args.mlflow_uri:
-        from workbench.plan.accuracy.mlflow_runs import load_mlflow_cases
-
         cases, skipped = load_mlflow_cases(args.mlflow_uri, args.experiment, cluster)
         if not cases:
             raise InputError(f"--mlflow-uri {args.mlflow_uri}: no run with pred/step_time_s "
@@ -87,8 +87,6 @@ def main(argv: list[str]) -> int:
 
 def _load_cluster(path: Path) -> ClusterConfig:
     """A cluster YAML outside conf/ (tests use a temporary copy), typed by the schema."""
-    from omegaconf import OmegaConf
-
     try:
         raw = OmegaConf.load(path)
     except Exception as e:

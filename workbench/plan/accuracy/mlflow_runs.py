@@ -9,8 +9,12 @@ left out when there are others: it carries compilation and allocator warm-up).
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import fields
+
+import yaml
+from omegaconf import OmegaConf
 
 from workbench.config import ClusterConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError, InputError
@@ -18,14 +22,13 @@ from workbench.layout import Layout
 from workbench.plan.accuracy.published import Case
 from workbench.plan.cost.hardware import match_gpu
 from workbench.plan.cost.stacks import software_for
+from workbench.track.store import client as store_client
 
 PRED_KEY, MEASURED_KEY = "pred/step_time_s", "step_time_s"
 
 
 def _typed(schema: type, params: dict[str, str], prefix: str):
     """A config dataclass from the `prefix.*` params of a run, typed by its schema."""
-    from omegaconf import OmegaConf
-
     values = {k[len(prefix) + 1:]: v for k, v in params.items()
               if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1:]}
     base = OmegaConf.structured(schema)
@@ -37,8 +40,6 @@ def _typed(schema: type, params: dict[str, str], prefix: str):
 
 def _container(value: str):
     """MLflow keeps a param as its str(); a dict or list field (cluster.coeff) is read back."""
-    import yaml
-
     return yaml.safe_load(value) if value.startswith(("{", "[")) else value
 
 
@@ -62,11 +63,7 @@ def _accelerator(name: str) -> str:
 def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
                       ) -> tuple[list[tuple[Case, str, float]], list[str]]:
     """(cases as (Case, 'seconds_per_iter', measured s), reasons runs were skipped)."""
-    import logging
-
     try:
-        from workbench.track.store import client as store_client
-
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep errors to one line
 
         client = store_client(uri, create=False)

@@ -48,7 +48,7 @@ def gathered_loss_bytes_per_logit(software: Software, ga: np.ndarray) -> np.ndar
     (parallel_module.py `_execute_loss_fn`, `_execute_backward_pass`), so one older copy is
     still allocated when this one's loss backward peaks (from the second of `ga` micro-batches
     on: the ring is emptied at each step's start). tests/test_loss_memory.py measures these
-    ops' peak on CPU: 16 bytes per logit."""
+    ops' peak on CPU against this count."""
     return LOSS_BYTES_PER_LOGIT + software.act_bytes * np.where(ga > 1, 2.0, 1.0)
 
 
@@ -157,9 +157,8 @@ def op_policy_items(shape: ModelShape, software: Software, act: dict[str, np.nda
     is redone (stage() charges it). For a Llama block that keeps q, v, w1 and w2 (a row-parallel
     output is the whole hidden width before its reduction) and redoes k, o and w3, about a
     third of the GEMM FLOPs. FP8 linears run aten._scaled_mm, which the list does not name, so
-    every block GEMM is redone and none kept: the torchtitan_h200 rows' published peaks (47.96
-    and 46.97 GiB, FP8, op policy, compiled) are what that predicts (45.6 / 43.7), not what
-    saving them would (69.6 / 67.8). Kept besides: the block's input and the attention output
+    every block GEMM is redone and none kept (the torchtitan_h200 rows' published peaks agree:
+    README, the op policy). Kept besides: the block's input and the attention output
     and statistics of a fused attention core (an eager core's batched matmuls and softmax are
     not on the list: they are redone). A factorized block's factors count as matmuls in order."""
     elem_bytes, hidden = software.act_bytes, float(shape.hidden)

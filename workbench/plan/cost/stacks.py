@@ -5,8 +5,8 @@ A user who will run Megatron-Core or torchtitan wants the layout that is fastest
 this engine: the stacks differ in what they overlap, shard and fuse (Megatron-Core hides TP
 collectives behind GEMMs and shards only optimizer states; torchtitan shards everything with
 FSDP2 and runs eager elementwise ops unless compiled). Each stack here is the Software that
-validate._software reads from that stack's published rows, so the planner prices a layout the
-way the calibration scored those rows (tests/test_plan_stacks.py holds them equal).
+workbench.plan.accuracy.published reads from that stack's published rows, so the planner prices
+a layout the way the calibration scored those rows (tests/test_plan_stacks.py holds them equal).
 """
 
 from __future__ import annotations

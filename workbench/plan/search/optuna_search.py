@@ -148,7 +148,7 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
                   local_share: float = 0.5, margin_bytes: float = 0.0,
                   software: Software | None = None) -> SearchResult:
     """Seeded TPE search (then a local search) maximizing predicted tokens/s; returns the best
-    feasible layout (peak + `margin_bytes` within HBM, as in search.score). Every trial,
+    feasible layout (peak + `margin_bytes` within HBM, as in exhaustive.score). Every trial,
     feasible or not, counts against `n_trials`."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space, gb = _space(model, world_size), int(train.global_batch)

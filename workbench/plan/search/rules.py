@@ -5,7 +5,7 @@ ConfigError of the first one it breaks; the exhaustive search rejects whole colu
 layouts with them; the Optuna search draws its degrees from the values they allow. So the run
 entry, `layout=auto`, the ranking and Optuna cannot disagree about what is valid.
 
-A rule is a numpy test over the columns of workbench.plan.columns (True where a layout breaks
+A rule is a numpy test over the columns of workbench.plan.cost.columns (True where a layout breaks
 it), the setting it blames, the one-line message a user gets, and the shorter `name` the planner
 counts rejections under. Order matters: a layout is blamed on the first rule it breaks. Engine
 rules are limits of this repository's engine only (other stacks run such layouts, so the cost
@@ -163,7 +163,7 @@ def validate_layout(layout: Layout, model: ModelConfig, world_size: int) -> None
 
 
 def engine_only(e: ConfigError) -> bool:
-    """A layout.validate rule that limits this repository's engine, not the cost of a layout:
+    """A validate_layout rule that limits this repository's engine, not the cost of a layout:
     published stacks allow uneven pipeline stages (torchtitan, Megatron), tied embeddings across
     stages and SP with learned positions (Megatron)."""
     return (e.key == "layout.pp" and "n_layers" in e.valid) or "tie_embeddings" in e.valid \
