@@ -1,8 +1,11 @@
-"""Accelerator datasheet figures, matched loosely from the names people write in papers and tables.
+"""Where the cost model's hardware comes from: `hardware_for(cluster)`, the one function every
+planner path asks for a cluster's GpuSpec, and the datasheets behind it.
 
-The planner needs a ClusterConfig; published tables name a GPU ("A100-SXM-80GB (Selene DGX A100)",
-"H100 96GB HBM2e (500W, Grand Teton)", "H200 141GB") and a GPU count. This module turns such a
-name into datasheet figures plus interconnect defaults, so that rows from any source can be
+The cluster's own figures win (its YAML; measured hardware would come in here too); the
+datasheet of the GPU its name matches adds what a YAML does not say (FP8 peak, power cap, SM
+count). Published tables name a GPU loosely ("A100-SXM-80GB (Selene DGX A100)", "H100 96GB HBM2e
+(500W, Grand Teton)", "H200 141GB"): `cluster_for` turns such a name and a GPU count into a
+ClusterConfig of datasheet figures plus interconnect defaults, so that rows from any source are
 estimated on the same footing. Every figure is a vendor datasheet number (dense, no sparsity).
 """
 
