@@ -28,10 +28,10 @@ from pathlib import Path
 
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.costmodel import estimate
-from workbench.plan.hardware import GIB, cluster_for
-from workbench.plan.terms import Software
-from workbench.plan.validate import apply_facts, default_csv, predict_row, read_rows
+from workbench.plan.accuracy.predict import apply_facts, default_csv, predict_row, read_rows
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.hardware import GIB, cluster_for
+from workbench.plan.cost.software import Software
 
 PROJECT_CSV = Path(__file__).resolve().parent / "calibration"
 # Fields the shared rows leave empty and this project found in their sources (with evidence).
@@ -82,7 +82,7 @@ def measured_vs_predicted(rows: list[dict[str, str]]) -> list[tuple[dict[str, st
     return out
 
 
-# Sources whose rows set a coefficient's default (see workbench/plan/coefficients.py): their
+# Sources whose rows set a coefficient's default (see workbench/plan/cost/coefficients.py): their
 # error is not an out-of-sample test of that coefficient.
 SETS_COEFFICIENT = {
     "sc21_t1": "mm_eff_max[A100]", "sc21_t2": "mm_eff_max[A100], zero3_gather_eff, zero3_overlap",

@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from workbench.config import ClusterConfig, ModelConfig
-from workbench.plan.coefficients import coefficients
-from workbench.plan.columns import columns
-from workbench.plan.hardware import match_gpu
-from workbench.plan.hetero import build, pool_costs, step
-from workbench.plan.pools import Link, Pool, spanning
-from workbench.plan.shapes import model_shape
-from workbench.plan.terms import Software
+from workbench.plan.cost.coefficients import coefficients
+from workbench.plan.cost.columns import columns
+from workbench.plan.cost.hardware import match_gpu
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.pools.cluster import Pool, PoolLink, spanning
+from workbench.plan.pools.pipeline import build, pool_costs, step
 
 DATA = Path(__file__).resolve().parent / "calibration" / "amp_het_cluster.csv"
 GPUS_PER_NODE = 4
@@ -50,7 +50,7 @@ SOFTWARE = Software(precision="fp16", flash_attention=False, dropout=True, overl
 # node types per sweep (node i holds ranks 4i..4i+3) and the network between P3 and G4dn nodes:
 # the P3.8xlarge's 10 Gb/s NIC shared by its 4 GPUs
 NODES = {"het_cluster": ["V100", "V100", "V100", "T4"], "homogeneous": ["T4"] * 4}
-CROSS = Link(10e9 / 8 / GPUS_PER_NODE, 20e-6)
+CROSS = PoolLink(10e9 / 8 / GPUS_PER_NODE, 20e-6)
 
 
 def _pools(kinds: list[str]) -> dict[str, Pool]:
@@ -91,7 +91,7 @@ def predict(row: dict[str, str], kinds: list[str]) -> tuple[float, bool]:
     a = columns(dpr=dp, dps=1, tp=tp, pp=1, cp=1, sp=0, mb=mb, rc=0, sched=1, v=1)
     a["ga"] = np.array([gb / (dp * mb)])
     ms = model_shape(MODEL)
-    costs = [pool_costs(ms, by_name[n], SOFTWARE, a, float(gb)) for n in uniq]
+    costs = [pool_costs(ms, by_name[n], SOFTWARE, a) for n in uniq]
     idx = np.array([[uniq.index(p.name) for p in stage_pools]])
     cross = np.full((1, pp - 1), np.nan)
     for s in range(pp - 1):  # a boundary between different node types pays the P3 <-> G4dn NIC

@@ -37,9 +37,10 @@ import torch
 from workbench import layout as layouts
 from workbench.compose import compose
 from workbench.data.corpus import load as load_data
-from workbench.plan.hetero_search import PoolPipeline, plan_pipeline
-from workbench.plan.pools import pools_of
-from workbench.plan.stages import even_split
+from workbench.layout import even_split
+from workbench.plan.pools.cluster import pools_of
+from workbench.plan.pools.search import PoolPipeline, plan_pipeline
+from workbench.plan.search.rules import validate_layout
 from workbench.testing.cpuquota import CpuQuota, unavailable_reason
 from workbench.testing.multirank import (
     Case,
@@ -133,7 +134,7 @@ def run_splits(base: List[str], splits: Dict[str, List[int]], cgroups: List[str]
         c = compose(base + ["layout=pp", f"layout.pp={len(split)}",
                             f"layout.stage_layers=[{','.join(map(str, split))}]"])
         lay = layouts.resolve(c.layout, c.train, len(split))
-        layouts.validate(lay, c.model, len(split))
+        validate_layout(lay, c.model, len(split))
         cases.append(Case(name, c, lay, ""))
     results = run_cases(len(cgroups), cases, data, str(root / "ranks"), timeout_s=900,
                         cgroups=cgroups)

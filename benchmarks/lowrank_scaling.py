@@ -19,7 +19,7 @@ for 2 or 4 ranks on 2 cores); at world size 4 the ranks share 2 cores, so comput
 
 Measured: median step time over the steps after the low-rank switch / PowerSGD's start; bytes
 per step and collectives per step as the engine's ByteCounter counts them. Predicted
-(workbench.plan.dp_scaling): the step at world size 1 is the measured one (per mode: a
+(workbench.lowrank.dp_scaling): the step at world size 1 is the measured one (per mode: a
 factorized model computes faster; for PowerSGD, plus its hook's compute, measured by one-rank
 DDP with and without the hook in turns, since the hook only runs with more than one rank), N
 ranks taking the slowest of N one-rank steps (the measured one-rank step times' 0.5 ** (1/N)
@@ -29,7 +29,7 @@ model's shape, fixed and adaptive at rank_ratio), the collectives (DDP's bucket 
 CPU oversubscription are the model's, the cores counted as those left free of other jobs while
 each point was measured (CpuShare; printed as "free"). The check: predicted
 tokens/s within 20% of measured. --record stores the measured points with the chart's data
-(workbench/plan/dp_measured.json) for `python -m workbench.plan.dp_chart`.
+(workbench/lowrank/dp_measured.json) for `python -m workbench.lowrank.dp_chart`.
 
 Needs root (network namespaces, tc): otherwise one line and exit status 2.
 """
@@ -216,8 +216,8 @@ def repeated(modes: List[str], worlds: List[int], steps: int, rate_mbit: float,
 def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
                 rate_mbit: float) -> List[Dict[str, Any]]:
     from workbench.compose import compose
-    from workbench.plan.dp_scaling import collectives, cpu_prediction, model_shape
-    from workbench.plan.dp_scaling import powersgd_hook_s as hook_model
+    from workbench.lowrank.dp_scaling import collectives, cpu_prediction, model_shape
+    from workbench.lowrank.dp_scaling import powersgd_hook_s as hook_model
 
     model = compose(MODEL).model
     out["hook_model_s"] = hook_model(model_shape(model, None), out["host_copy_bytes_per_s"])
@@ -305,7 +305,7 @@ def combine(paths: List[Path], dest: Optional[Path] = None) -> int:
     same rate, steps and world sizes: every row keeps the prediction made from its own run's
     one-rank step, link latency and hook time (each row carries them), so nothing is mixed
     across runs."""
-    from workbench.plan.dp_chart import MEASURED
+    from workbench.lowrank.dp_chart import MEASURED
 
     parts = [json.loads(p.read_text()) for p in paths]
     keys = [(r["mode"], r["world"]) for p in parts for r in p["rows"]]
@@ -379,7 +379,7 @@ def main(argv: List[str]) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     if a.record:
-        from workbench.plan.dp_chart import MEASURED
+        from workbench.lowrank.dp_chart import MEASURED
 
         MEASURED.write_text(json.dumps(result, indent=1) + "\n")
         print(f"recorded for the chart: {MEASURED}")

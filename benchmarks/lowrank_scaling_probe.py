@@ -95,7 +95,7 @@ def hogs(k: int) -> List[Any]:
 
 
 def comm(worlds: List[int], rate_mbit: float, steps: int, n_hogs: int = 0) -> None:
-    from workbench.plan.dp_scaling import TCP_PAYLOAD_EFF
+    from workbench.lowrank.dp_scaling import TCP_PAYLOAD_EFF
 
     hz = os.sysconf("SC_CLK_TCK")
     bw = rate_mbit * 1e6 / 8 * TCP_PAYLOAD_EFF

@@ -21,6 +21,7 @@ from typing import Dict, List
 from workbench import layout as layouts
 from workbench.compose import compose
 from workbench.data.corpus import load as load_data
+from workbench.plan.search.rules import validate_layout
 from workbench.testing.multirank import (
     Case,
     max_rel_loss_err,
@@ -64,7 +65,7 @@ def main(argv: List[str]) -> int:
     for name, overrides in LAYOUTS.items():
         c = compose(base + overrides)
         layout = layouts.resolve(c.layout, c.train, 2)
-        layouts.validate(layout, c.model, 2)
+        validate_layout(layout, c.model, 2)
         cases.append(Case(name, c, layout, str(root / name.replace(" ", "_"))))
     results = run_cases(2, cases, data, str(root / "ranks"), timeout_s=1800)
 

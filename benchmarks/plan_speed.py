@@ -2,7 +2,7 @@
 
     python benchmarks/plan_speed.py        (targets: >= 1,000,000 layouts/s; 405B space < 10 s)
 
-The space holds every pipeline once per candidate stage split (workbench.plan.stages); the
+The space holds every pipeline once per candidate stage split (workbench.plan.search.splits); the
 baseline, measured in the same run, is the even-split space alone (the space before uneven
 stages), so the ratio shows what the splits cost per layout.
 """
@@ -16,7 +16,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, as the target says
 
 from workbench.compose import compose
-from workbench.plan.search import enumerate_space, rank_layouts, score
+from workbench.plan.search.exhaustive import rank_layouts, score
+from workbench.plan.search.space import enumerate_space
 
 CASES = (("llama3_405b", 16384, 2048), ("llama3_70b", 1024, 1024))
 

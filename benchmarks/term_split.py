@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from workbench.cli import guarded
-from workbench.plan.validate import predict_case, read_rows, row_case
+from workbench.plan.accuracy.predict import predict_case, read_rows
+from workbench.plan.accuracy.published import row_case
 
 # The model's step-time terms, grouped: the compute of a micro-batch's passes, then each kind
 # of communication and the pipeline bubble.

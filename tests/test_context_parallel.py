@@ -11,7 +11,8 @@ from test_parallel import assert_matches_single_process, reference, run_matrix
 
 from workbench.compose import compose
 from workbench.errors import ConfigError
-from workbench.layout import Layout, validate
+from workbench.layout import Layout
+from workbench.plan.search.rules import validate_layout
 from workbench.train.parallel.context import cp_positions
 
 GPT2 = ["model.family=gpt2", "model.bias=true", "model.tie_embeddings=true", "train.steps=2"]
@@ -31,7 +32,7 @@ def test_head_tail_split_covers_the_sequence_with_equal_causal_work(cp):
 def test_sequence_not_divisible_by_two_cp_is_rejected():
     cfg = compose(["model=gpt_tiny", "model.seq_len=130"])
     with pytest.raises(ConfigError) as err:
-        validate(Layout(cp=2, grad_accum=4), cfg.model, 2)
+        validate_layout(Layout(cp=2, grad_accum=4), cfg.model, 2)
     assert err.value.key == "layout.cp" and "2*cp = 4" in err.value.valid
 
 

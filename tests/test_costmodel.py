@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.costmodel import estimate
-from workbench.plan.hardware import cluster_for, match_gpu
-from workbench.plan.shapes import lowrank_flops_ratio, model_shape
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS, Software
+from workbench.plan.cost.estimate import MEM_TERMS, TIME_TERMS, estimate
+from workbench.plan.cost.hardware import cluster_for, match_gpu
+from workbench.plan.cost.shapes import lowrank_flops_ratio, model_shape
+from workbench.plan.cost.software import Software
 
 MODEL = ModelConfig(name="m", family="llama", n_layers=16, hidden=2048, n_heads=16,
                     n_kv_heads=8, ffn_hidden=5632, vocab=32000, seq_len=2048)
@@ -65,7 +65,7 @@ def test_raising_tp_never_raises_param_memory(tp: int, dps: int, sp: bool) -> No
 @given(st.sampled_from([1, 2, 8]), st.sampled_from([1, 2]), st.booleans(), st.booleans())
 def test_recompute_lowers_activations_and_raises_compute(tp: int, mb: int, sp: bool,
                                                          flash: bool) -> None:
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     sw = Software(flash_attention=flash, dropout=not flash)
     est = {rc: estimate(MODEL, cluster(), TRAIN, Layout(dp_replicate=64 // tp, tp=tp,
@@ -121,7 +121,7 @@ def test_counts_match_train_model() -> None:
 
 def test_korthikanti_activation_memory() -> None:
     """Korthikanti et al. eq. 2: sbh(10 + 24/t + 5as/(ht)) bytes per layer, no SP/recompute."""
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     gpt = ModelConfig(name="22b", family="gpt2", n_layers=48, hidden=6144, n_heads=64,
                       n_kv_heads=64, ffn_hidden=24576, vocab=51200, seq_len=2048,
@@ -151,7 +151,7 @@ def _big(seq: int = 8192) -> ModelConfig:
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from([2, 4, 8]))
 def test_ring_attention_costs_imbalance_and_short_chunks(cp: int) -> None:
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     lay = Layout(dp_shard=8 // cp, cp=cp, micro_batch=1, grad_accum=1)
     c = cluster_for("H100-SXM-80GB", 8)
@@ -171,7 +171,7 @@ def test_allgather_context_parallel_as_this_engine_runs_it(cp: int) -> None:
     """The engine's cp (train/parallel/context.py): one attention kernel, an exposed K/V all-gather
     and reduce-scatter, and the other ranks' K/V stored per layer; the ring hides its
     exchange behind attention but pays per-chunk kernels."""
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     lay = Layout(dp_shard=8 // cp, cp=cp, micro_batch=1, grad_accum=1)
     c = cluster_for("H100-SXM-80GB", 8)
@@ -187,7 +187,7 @@ def test_allgather_context_parallel_as_this_engine_runs_it(cp: int) -> None:
 
 
 def test_deepspeed_zero3_gathers_are_slower_and_bound_by_parameters() -> None:
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     gpt = ModelConfig(name="175b", family="gpt2", n_layers=96, hidden=12288, n_heads=96,
                       n_kv_heads=96, ffn_hidden=49152, vocab=51200, seq_len=2048,
@@ -206,7 +206,7 @@ def test_deepspeed_zero3_gathers_are_slower_and_bound_by_parameters() -> None:
 
 
 def test_fp8_scaling_and_async_tp_order() -> None:
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     lay = Layout(dp_shard=8, tp=8, sequence_parallel=True, micro_batch=4, grad_accum=1,
                  recompute="full")
@@ -224,7 +224,7 @@ def test_fp8_scaling_and_async_tp_order() -> None:
 
 
 def test_validate_reads_the_software_stack_from_the_row() -> None:
-    from workbench.plan.validate import _software
+    from workbench.plan.accuracy.published import _software
 
     z = _software("FP16", "ZeRO-3; model-parallel size 1", "ZeRO-3 (no model parallelism)")
     assert z.dp_stack == "deepspeed_zero3" and z.overlap_dp
@@ -245,13 +245,14 @@ def test_validate_reads_the_software_stack_from_the_row() -> None:
 def test_eager_elementwise_costs_more_than_fused_and_sp_follows_tp_comm_overlap() -> None:
     from dataclasses import replace
 
-    from workbench.plan.validate import default_csv, predict_case, read_rows, row_case
+    from workbench.plan.accuracy.predict import default_csv, predict_case, read_rows
+    from workbench.plan.accuracy.published import row_case
 
     _, rows = read_rows(default_csv()) if default_csv().is_file() else (None, [])
     model = ModelConfig(name="m", family="llama", n_layers=4, hidden=1024, n_heads=8,
                         n_kv_heads=8, ffn_hidden=4096, vocab=32000, seq_len=2048)
     cl, lay = cluster_for("H100-SXM-80GB", 8), Layout(dp_shard=8, micro_batch=1)
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     fused = estimate(model, cl, TrainConfig(), lay, software=Software())
     eager = estimate(model, cl, TrainConfig(), lay, software=replace(Software(), eager=True))
@@ -316,7 +317,7 @@ def test_this_engines_pipeline_sends_whole_activations_without_sp() -> None:
 def test_this_engines_tp_backward_reduces_each_projection() -> None:
     """Without SP this engine all-reduces the input gradient of q, k, v, gate and up one by one
     (5 a layer, 2 forward), where Megatron's fused QKV and gate-up linears need 2 (and 2)."""
-    from workbench.plan.costmodel import software_for
+    from workbench.plan.cost.stacks import software_for
 
     m, c = _big(), cluster_for("H100-SXM-80GB", 8)
     lay = Layout(tp=8, micro_batch=1, grad_accum=8)
@@ -336,7 +337,7 @@ def test_batch_first_sequence_parallel_pays_a_relayout_copy() -> None:
     """SP on dim 1 of (batch, seq, hidden) activations copies each gathered / scattered tensor
     once when a micro-batch holds several sequences; one sequence, Megatron's sequence-first
     layout, or async TP's fused kernels do not."""
-    from workbench.plan.terms import Software
+    from workbench.plan.cost.software import Software
 
     c = cluster_for("H100-SXM-80GB", 8)
 

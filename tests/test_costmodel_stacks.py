@@ -16,20 +16,16 @@ from conftest import benchmark_module, published_layouts_csv
 
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.coefficients import coefficients
-from workbench.plan.columns import layout_columns
-from workbench.plan.costmodel import Estimate, estimate, hardware_for
-from workbench.plan.hardware import cluster_for, spec_of_cluster
-from workbench.plan.memory_terms import activation_bytes_per_token, gather_bytes
-from workbench.plan.shapes import model_shape
-from workbench.plan.terms import Software, evaluate
-from workbench.plan.validate import (
-    _software,
-    apply_facts,
-    read_rows,
-    row_case,
-    torchtitan_split,
-)
+from workbench.plan.accuracy.predict import apply_facts, read_rows
+from workbench.plan.accuracy.published import _software, row_case, torchtitan_split
+from workbench.plan.cost.activations import activation_bytes_per_token
+from workbench.plan.cost.coefficients import coefficients
+from workbench.plan.cost.columns import layout_columns
+from workbench.plan.cost.estimate import Estimate, estimate, evaluate
+from workbench.plan.cost.hardware import cluster_for, hardware_for
+from workbench.plan.cost.memory import gather_bytes
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
 
 PROJECT_CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration"
 
@@ -182,7 +178,7 @@ def test_megatron_loss_moves_52_bytes_per_logit_where_the_generic_count_has_24()
     lay = Layout(dp_replicate=2, micro_batch=1, grad_accum=3)
     base, megatron = (_est(lay, replace(sw, loss_hbm_bytes_per_logit=b), 2) for b in (0.0, 52.0))
     cluster = cluster_for("A100-SXM-80GB", 2)
-    co, hw = coefficients(cluster), spec_of_cluster(cluster)[0]
+    co, hw = coefficients(cluster), hardware_for(cluster)
     generic = 3 * co.elem_traffic * 4.0  # forward once, backward twice
     hbm = hw.hbm_bw_bytes_per_s * co.hbm_eff
     extra = 3 * (52.0 - generic) * MODEL.seq_len * MODEL.vocab / hbm  # 3 micro-batches
@@ -325,7 +321,7 @@ def test_fsdp_float8_all_gather_sends_the_block_linears_in_one_byte() -> None:
 
     def fsdp_seconds(sw: Software) -> float:
         t = evaluate(model_shape(model), hardware_for(cluster), coefficients(cluster), sw,
-                     layout_columns([lay]), 16.0)
+                     layout_columns([lay]))
         return float(t["time_dp_comm_exposed_s"][0] + t["time_dp_comm_overlapped_s"][0])
 
     ms = model_shape(model)

@@ -30,7 +30,7 @@ def test_exact_terms_give_their_own_factors() -> None:
 
 def test_hagemann_misses_sit_in_the_data_parallel_sync() -> None:
     mod = _module()
-    from workbench.plan.validate import read_rows
+    from workbench.plan.accuracy.predict import read_rows
 
     rows = [r for r in read_rows(HAGEMANN)[1]
             if "torch attention" not in r["model"] and "fused softmax" not in r["model"]]

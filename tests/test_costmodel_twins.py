@@ -56,7 +56,7 @@ def test_the_twin_sharing_most_layouts_is_read_and_small_overlaps_are_not() -> N
 
 def test_hagemann_13b_sheet_does_not_repeat_its_order_and_the_30b_sheet_does() -> None:
     mod = _module()
-    from workbench.plan.validate import read_rows
+    from workbench.plan.accuracy.predict import read_rows
 
     pairs = mod.measured_vs_predicted(read_rows(HAGEMANN)[1])
     twins = mod.twin_agreement(pairs)
@@ -114,7 +114,7 @@ def test_hagemann_kernel_ratios_are_priced_within_8_percent() -> None:
     eager core at 8k, 1.95x FlashAttention 2's step time, was priced 1.33x with the fused
     kernel's bytes."""
     mod = _module()
-    from workbench.plan.validate import read_rows
+    from workbench.plan.accuracy.predict import read_rows
 
     got = {(sweep, tags): (meas, pred) for _, sweep, tags, _, meas, pred
            in mod.kernel_ratios(mod.measured_vs_predicted(read_rows(HAGEMANN)[1]))}
@@ -130,7 +130,7 @@ def test_hagemann_sp_twins_are_priced_within_3_percent() -> None:
     time ratio is within 3% of the measured one in every sheet with >= 5 such pairs; before a
     sequence-parallel stage sent its shard, the 65B sheet's x1.08 was priced x1.05."""
     mod = _module()
-    from workbench.plan.validate import read_rows
+    from workbench.plan.accuracy.predict import read_rows
 
     sp_csv = HAGEMANN.with_name("hagemann2023_sp_layouts.csv")
     got = mod.kernel_ratios(mod.measured_vs_predicted(read_rows(sp_csv)[1]), by="cp_or_sp")
@@ -143,7 +143,7 @@ def test_hagemann_recompute_twins_are_priced_within_8_percent() -> None:
     """Full recompute against none on the same layouts: the model's x1.31-1.33 against the
     sheets' x1.26-1.42 (the 65B sheet's x1.42 the farthest)."""
     mod = _module()
-    from workbench.plan.validate import read_rows
+    from workbench.plan.accuracy.predict import read_rows
 
     got = mod.kernel_ratios(mod.measured_vs_predicted(read_rows(HAGEMANN)[1]), by="recompute")
     assert len(got) == 5 and {tags for _, _, tags, _, _, _ in got} == {"full / none"}

@@ -1,4 +1,4 @@
-"""The data-parallel scaling model (workbench.plan.dp_scaling), its chart, and the rate-limited
+"""The data-parallel scaling model (workbench.lowrank.dp_scaling), its chart, and the rate-limited
 link the scaling benchmark measures over (workbench.testing.netns)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, need_service
 
 from workbench.compose import compose
-from workbench.plan import dp_scaling as dps
+from workbench.lowrank import dp_scaling as dps
 
 
 @pytest.mark.parametrize("name", ["gpt_small", "gpt_tiny"])
@@ -37,10 +37,10 @@ def test_efficiency_orders_modes_and_links():
     """Where bytes are the bottleneck (100 Gbit/s per 8-GPU node) fewer bytes scale better;
     inside one node, and on 400 Gbit/s per GPU, full and low rank are close to ideal and
     PowerSGD's own compute (its hook) is what costs it."""
-    from workbench.plan.dp_chart import load_model
+    from workbench.lowrank.dp_chart import load_model
 
     model = load_model("gpt2_124m")
-    eth, ib = dps.gpu_link("eth", 100, 8), dps.gpu_link("ib", 400, 1)
+    eth, ib = dps.gpu_network("eth", 100, 8), dps.gpu_network("ib", 400, 1)
     sizes = [8, 64, 1024]
     eff = {(mode, link.name): [p.efficiency for p in dps.gpu_curve(model, mode, link, sizes)]
            for mode in dps.MODES for link in (eth, ib)}
@@ -54,7 +54,7 @@ def test_efficiency_orders_modes_and_links():
 def test_cpu_prediction_counts_shared_cores():
     """Four one-thread ranks on two cores compute each step at half speed: with no bytes to
     send the efficiency is 1/2, with bytes it is lower."""
-    link = dps.cpu_link(1000, overlap=0.0)
+    link = dps.cpu_network(1000, overlap=0.0)
     idle = dps.predict(0.5, 0.33, 0.0, 4, link, slowdown=2.0)
     assert idle.efficiency == pytest.approx(0.5, rel=0.01)
     p = dps.predict(0.5, 0.33, 57e6, 2, link)
@@ -112,7 +112,7 @@ def test_benchmark_combines_runs_split_by_mode(tmp_path):
     that measured the same mode twice."""
     import json
 
-    from workbench.plan.dp_chart import MEASURED
+    from workbench.lowrank.dp_chart import MEASURED
 
     rec = json.loads(MEASURED.read_text())
     parts = []
@@ -143,7 +143,7 @@ def test_chart_is_written_into_the_sweep_report(tmp_path):
 
 
 def test_chart_cli_rejects_bad_input(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "workbench.plan.dp_chart",
+    proc = subprocess.run([sys.executable, "-m", "workbench.lowrank.dp_chart",
                            "--tokens-per-gpu", "0"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--tokens-per-gpu" in proc.stderr

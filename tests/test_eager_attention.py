@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from workbench.config import ModelConfig
-from workbench.plan.memory_terms import EAGER_SOFTMAX_SCORE_BYTES, activation_bytes_per_token
-from workbench.plan.shapes import model_shape
-from workbench.plan.software import Software
-from workbench.plan.validate import _software
+from workbench.plan.accuracy.published import _software
+from workbench.plan.cost.activations import EAGER_SOFTMAX_SCORE_BYTES, activation_bytes_per_token
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
 
 GEMMS = {"bmm", "baddbmm", "mm", "addmm"}
 

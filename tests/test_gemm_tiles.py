@@ -14,12 +14,13 @@ import pytest
 
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.coefficients import defaults_for
-from workbench.plan.costmodel import estimate
-from workbench.plan.gemm_tiles import tile_fill
-from workbench.plan.hardware import cluster_for, match_gpu
-from workbench.plan.terms import Software
-from workbench.plan.validate import read_rows, row_case
+from workbench.plan.accuracy.predict import read_rows
+from workbench.plan.accuracy.published import row_case
+from workbench.plan.cost.coefficients import defaults_for
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.gemm_fill import tile_fill
+from workbench.plan.cost.hardware import cluster_for, match_gpu
+from workbench.plan.cost.software import Software
 
 
 def test_a_full_wave_wastes_nothing_and_a_second_part_wave_costs_a_whole_one() -> None:
@@ -80,7 +81,7 @@ def test_hagemann_rows_carry_the_codes_uniform_pipeline_split() -> None:
 
 
 def test_flash_attention_1_rows_run_the_attention_core_at_half_the_fa2_rate() -> None:
-    from workbench.plan.validate import _software
+    from workbench.plan.accuracy.published import _software
 
     v1 = _software("BF16", "kernel flash_attentionv1.0.8; dp-sync-in-step", "ZeRO-1")
     v2 = _software("BF16", "kernel flash_attention2; dp-sync-in-step", "ZeRO-1")

@@ -14,12 +14,13 @@ from workbench.compose import compose
 from workbench.errors import ConfigError
 from workbench.layout import Layout
 from workbench.plan import __main__ as plan_main
-from workbench.plan.columns import layout_columns
-from workbench.plan.costmodel import estimate, software_for
-from workbench.plan.hetero import Stages, balance, build, pool_costs, step
-from workbench.plan.hetero_search import rank_pools
-from workbench.plan.pools import pools_of
-from workbench.plan.shapes import model_shape
+from workbench.plan.cost.columns import layout_columns
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.stacks import software_for
+from workbench.plan.pools.cluster import pools_of
+from workbench.plan.pools.pipeline import Stages, balance, build, pool_costs, step
+from workbench.plan.pools.search import rank_pools
 
 POOLS = ["model=llama3_8b", "cluster=h100_a100_pools", "train.global_batch=64"]
 
@@ -49,8 +50,8 @@ def test_pools_take_datasheet_figures_and_reject_bad_links() -> None:
 @pytest.mark.parametrize("tp,dp,pp,split", [(2, 2, 2, (16, 16)), (1, 2, 4, (8, 8, 8, 8)),
                                             (2, 4, 1, (32,)), (1, 1, 8, (4,) * 8)])
 def test_one_pool_stage_costs_agree_with_the_cost_model(tp, dp, pp, split) -> None:
-    """Stages built from terms.evaluate per pool give the cost model's own memory exactly and
-    its step time within 6% (the DP overlap and the end transfers are approximated linearly)."""
+    """Stages built from the cost model's evaluate per pool give its own memory exactly and its
+    step time within 6% (the DP overlap and the end transfers are approximated linearly)."""
     cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
                    "train.global_batch=32"])
     lay = Layout(dp_replicate=dp, tp=tp, pp=pp, micro_batch=1, grad_accum=32 // dp,
@@ -58,7 +59,7 @@ def test_one_pool_stage_costs_agree_with_the_cost_model(tp, dp, pp, split) -> No
     est = estimate(cfg.model, cfg.cluster, cfg.train, lay)
     a = layout_columns([lay])
     costs = pool_costs(model_shape(cfg.model), pools_of(cfg.cluster)[0],
-                       software_for(cfg.train, cfg.cluster), a, 32.0)
+                       software_for(cfg.train, cfg.cluster), a)
     st = build([costs], np.zeros((1, pp), dtype=np.int64), np.zeros(1, dtype=np.int64),
                np.full((1, pp - 1), np.nan), a["ga"])
     out = step(st, np.array([split], dtype=float), a["ga"])
@@ -103,7 +104,7 @@ def test_search_places_stages_on_pools_and_answers_the_fast_pool_question() -> N
 def test_a_margin_keeps_every_stage_that_much_below_its_gpus_memory() -> None:
     """rank_pools under `--margin-gib`: the split balances within HBM less the margin, so a
     layout feasible only by filling a pool's memory drops out, and no survivor eats the margin."""
-    from workbench.plan.hardware import GIB
+    from workbench.plan.cost.hardware import GIB
 
     cfg = compose(POOLS)
     r0 = rank_pools(cfg.model, cfg.cluster, cfg.train)
@@ -122,7 +123,7 @@ def test_explain_on_pools_itemizes_each_stage_and_adds_up(capsys) -> None:
     """--explain on a mixed cluster: each stage's memory parts sum to the fullest-stage share the
     ranking printed, the stage times to its step time; --stages picks another placement of the
     key, and a key or placement the ranking never printed is one line, exit 2."""
-    from workbench.plan.hetero_explain import explain_pools
+    from workbench.plan.pools.explain import explain_pools
 
     cfg = compose(POOLS)
     r = rank_pools(cfg.model, cfg.cluster, cfg.train)

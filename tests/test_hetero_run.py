@@ -19,7 +19,7 @@ TWO_POOLS = ["model=gpt_tiny", "model.n_layers=8", "cluster=cpu_two_pools",
 
 def test_planner_gives_the_slow_pool_fewer_layers_and_predicts_a_faster_step():
     from workbench.compose import compose
-    from workbench.plan.hetero_search import plan_pipeline
+    from workbench.plan.pools.search import plan_pipeline
 
     cfg = compose(TWO_POOLS)
     for order in (["fast", "slow"], ["slow", "fast"]):

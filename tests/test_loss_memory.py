@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from workbench.plan.memory_terms import gathered_loss_bytes_per_logit
-from workbench.plan.software import Software
+from workbench.plan.cost.activations import gathered_loss_bytes_per_logit
+from workbench.plan.cost.software import Software
 
 # The last stage's loss step of scaling's pipeline engine, op for op: the LM head's 16-bit
 # logits are written to the stage-output buffer ring (the previous micro-batch's are still

@@ -17,6 +17,7 @@ import pytest
 from workbench import layout as layouts
 from workbench.compose import compose
 from workbench.data.corpus import load as load_data
+from workbench.plan.search.rules import validate_layout
 from workbench.testing.multirank import Case, run_cases, run_single
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,7 @@ def runs(tmp_path_factory):
     for name, ov in LAYOUTS.items():
         cfg = compose(BASE + ov)
         layout = layouts.resolve(cfg.layout, cfg.train, 2)
-        layouts.validate(layout, cfg.model, 2)
+        validate_layout(layout, cfg.model, 2)
         cases.append(Case(name, cfg, layout, ckpt_dir=""))
     data = load_data(cases[0].cfg.data)
     results = run_cases(2, cases, data, str(root / "ranks"), timeout_s=300)

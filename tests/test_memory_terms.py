@@ -1,5 +1,6 @@
-"""Memory itemization rules of workbench.plan.memory_terms that the published-runs benchmark
-relies on: what an unfused stack keeps for the backward, without changing any time term."""
+"""Memory itemization rules of workbench.plan.cost.activations and .memory that the published-runs
+benchmark relies on: what an unfused stack keeps for the backward, without changing any time
+term."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import replace
 
 from workbench.compose import compose
 from workbench.layout import Layout
-from workbench.plan.costmodel import estimate
-from workbench.plan.terms import Software
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.software import Software
 
 BASE = Software(precision="bf16", flash_attention=True)
 
@@ -47,7 +48,7 @@ def test_unfused_ops_add_their_saved_tensors_and_no_time() -> None:
 def test_eager_norm_keeps_an_fp32_copy_unless_training_in_fp32() -> None:
     """`_norm(x.float()).type_as(x) * weight` saves the fp32 copy and the cast-back normalized
     tensor (16-bit: 4 + 2 bytes an element); in fp32 `.float()` is the input itself (4 + 4)."""
-    from workbench.plan.memory_terms import eager_norm_bytes_per_elem
+    from workbench.plan.cost.activations import eager_norm_bytes_per_elem
 
     assert eager_norm_bytes_per_elem(2.0) == 6.0
     assert eager_norm_bytes_per_elem(4.0) == 8.0
@@ -55,7 +56,7 @@ def test_eager_norm_keeps_an_fp32_copy_unless_training_in_fp32() -> None:
 
 def test_published_stack_notes_set_the_unfused_facts() -> None:
     """The row reader maps the Aleph Alpha stack's notes to these facts (and only those rows)."""
-    from workbench.plan.validate import _software
+    from workbench.plan.accuracy.published import _software
 
     aa = _software("BF16", "dp-sync-in-step; separate-gate-up; eager-elementwise")
     assert aa.unfused_swiglu and aa.attention_copies and aa.unfused_norm
@@ -72,7 +73,7 @@ def test_interleaved_inflight_is_megatrons_warmup_capped_at_all_forwards() -> No
     141 / 8 on rank 1; a group N = 8 holds 2 x 15 + 7 x 8 + 1 = 87 chunks on rank 0."""
     import numpy as np
 
-    from workbench.plan.stages import inflight_per_layer
+    from workbench.plan.cost.memory import inflight_per_layer
 
     def on(pp: float, ga: float, v: float, group: float = 0.0) -> tuple[float, float]:
         f, s = inflight_per_layer(np.array([pp]), np.array([ga]), np.array([False]),
@@ -91,7 +92,7 @@ def test_explain_names_the_rank_that_peaks_and_its_parts_add_up() -> None:
     """Llama 3 405B's own layout (16 ranks x 8 virtual stages, one layer each, embedding and
     head alone on the first and last virtual stage) peaks on a middle rank: it holds 8 layers,
     the first one 7; --explain says so, and its lines sum to the total."""
-    from workbench.plan.explain import explain, render
+    from workbench.plan.cost.explain import explain, render
 
     c = compose(["model=llama3_405b", "cluster=h100_8x_ib", "cluster.nodes=2048",
                  "train.global_batch=2048", "train.dtype=bf16"])

@@ -19,6 +19,7 @@ from workbench import layout as layouts
 from workbench.compose import compose
 from workbench.config import RunConfig
 from workbench.data.corpus import load as load_data
+from workbench.plan.search.rules import validate_layout
 from workbench.testing.multirank import Case, run_cases, run_single
 
 REL_TOL = 1e-5
@@ -56,7 +57,7 @@ def make_case(name: str, world_size: int, overrides: List[str], ckpt_root,
               ckpt_name: str = "", **kw) -> Case:
     cfg = make_cfg(overrides)
     layout = layouts.resolve(cfg.layout, cfg.train, world_size)
-    layouts.validate(layout, cfg.model, world_size)
+    validate_layout(layout, cfg.model, world_size)
     return Case(name, cfg, layout, str(ckpt_root / (ckpt_name or name)), **kw)
 
 
@@ -205,7 +206,7 @@ def test_fsdp_reduce_scatters_every_micro_batch(two_ranks):
     """Without a pipeline, FSDP reduce-scatters each micro-batch's fp32 gradients (counted as
     the unreduced input: every parameter, 4 bytes) rather than keeping unsharded gradients
     until the last one: grad_accum x the gradient bytes a step, what the cost model charges
-    (workbench.plan.terms.data_parallel) and what its memory itemization assumes."""
+    (workbench.plan.cost.data_parallel) and what its memory itemization assumes."""
     from workbench.train.model import n_params
 
     cfg = make_cfg(LAYOUTS_2["fsdp"])

@@ -67,9 +67,9 @@ def test_fsdp_in_a_pipeline_gathers_and_reduces_once_a_step(four_ranks):
     """Inside the pipeline schedule FSDP keeps a stage's weights gathered from its first
     forward and reduce-scatters its accumulated gradients once, after its last backward
     (torch.distributed.pipelining): every parameter gathered and reduced once a step whatever
-    the micro-batch count, as the cost model charges (workbench.plan.stages.fsdp_once). Counted
-    per rank and averaged over the 4 ranks, two of which hold each stage: half the model's
-    fp32 bytes for each kind."""
+    the micro-batch count, as the cost model charges (workbench.plan.cost.data_parallel
+    .fsdp_once). Counted per rank and averaged over the 4 ranks, two of which hold each stage:
+    half the model's fp32 bytes for each kind."""
     from workbench.train.model import n_params
 
     cfg = make_cfg(LAYOUTS_4["pp_interleaved_dp"] + STEPS)

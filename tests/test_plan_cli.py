@@ -15,6 +15,7 @@ from workbench.cli import guarded
 from workbench.config import CONF_DIR
 from workbench.plan import __main__ as plan_main
 from workbench.plan import calibrate, validate
+from workbench.plan.accuracy.predict import PRED_COLUMNS
 
 ROW = {"source": "t", "source_group": "t", "model": "m", "n_layers": "32", "hidden": "4096",
        "n_heads": "32", "n_kv_heads": "8", "ffn_hidden": "14336", "vocab": "128256",
@@ -72,7 +73,7 @@ def test_validate_never_crashes_on_a_row(tmp_path) -> None:
     out = tmp_path / "out.csv"
     assert validate.main(["--csv", str(src), "--out", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
-    assert set(validate.PRED_COLUMNS) <= set(rows[0]) and set(ROW) <= set(rows[0])
+    assert set(PRED_COLUMNS) <= set(rows[0]) and set(ROW) <= set(rows[0])
     assert rows[0]["pred_error"] == "" and float(rows[0]["pred_tokens_per_s_per_gpu"]) > 0
     assert rows[0]["pred_fits"] in ("true", "false") and 0 < float(rows[0]["pred_mfu"]) < 1
     assert "unknown GPU" in rows[1]["pred_error"] and "missing tp" in rows[2]["pred_error"]
@@ -135,9 +136,9 @@ def test_margin_rejects_exactly_the_layouts_that_leave_too_little_free(tmp_path,
     that fits with less than G GiB free is rejected under a reason of its own, and every other
     layout keeps its place; a user who trusts the memory model less gets a ranking that says so."""
     from workbench.compose import compose
-    from workbench.plan.hardware import GIB
-    from workbench.plan.optuna_search import optuna_search
-    from workbench.plan.search import NOT_FIT, REASONS, UNDER_MARGIN, rank_layouts
+    from workbench.plan.cost.hardware import GIB
+    from workbench.plan.search.exhaustive import NOT_FIT, REASONS, UNDER_MARGIN, rank_layouts
+    from workbench.plan.search.optuna_search import optuna_search
 
     cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "train.dtype=bf16",
                    "train.global_batch=32"])
@@ -175,8 +176,8 @@ def test_explain_parts_sum_to_the_total(key: str, capsys) -> None:
     """The itemization a user reads must add up to the peak the ranking compares with HBM."""
     from workbench.compose import compose
     from workbench.layout import Layout
-    from workbench.plan.costmodel import estimate
-    from workbench.plan.explain import explain
+    from workbench.plan.cost.estimate import estimate
+    from workbench.plan.cost.explain import explain
 
     cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=2", "train.dtype=bf16"])
     x = explain(cfg.model, cfg.cluster, cfg.train, key, margin_gib=2.0)
@@ -213,8 +214,9 @@ def test_calibrate_from_mlflow_recovers_a_known_coefficient(tmp_path, capsys) ->
 
     from workbench.compose import compose
     from workbench.layout import Layout
-    from workbench.plan.coefficients import coefficients
-    from workbench.plan.costmodel import estimate, software_for
+    from workbench.plan.cost.coefficients import coefficients
+    from workbench.plan.cost.estimate import estimate
+    from workbench.plan.cost.stacks import software_for
 
     conf = tmp_path / "conf"
     (conf / "cluster").mkdir(parents=True)
@@ -269,21 +271,21 @@ def test_explain_shows_the_bandwidth_each_group_gets(capsys) -> None:
     data-parallel group of 16 ranks 2 apart on 4 H100 nodes gets 4 NICs per node (one ring per
     member on a node), and the pipeline send between two nodes one NIC."""
     from workbench.compose import compose
-    from workbench.plan.coefficients import coefficients
-    from workbench.plan.costmodel import hardware_for
-    from workbench.plan.explain import explain
+    from workbench.plan.cost.coefficients import coefficients
+    from workbench.plan.cost.explain import explain
+    from workbench.plan.cost.hardware import hardware_for
 
     cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=4", "train.dtype=bf16"])
     hw, co = hardware_for(cfg.cluster), coefficients(cfg.cluster)
     x = explain(cfg.model, cfg.cluster, cfg.train, "dpr16_dps1_tp2_pp1_cp1_mb1_ga1_rc-none")
-    tp, dp = x.links["tensor parallel"], x.links["data parallel, replicated"]
+    tp, dp = x.paths["tensor parallel"], x.paths["data parallel, replicated"]
     assert (tp.size, tp.nodes, tp.nics) == (2, 1, 0)
     assert tp.bytes_per_s == pytest.approx(hw.intra_node_gbps * co.link_eff_intra * 1e9)
     assert (dp.size, dp.stride, dp.nodes, dp.nics) == (16, 2, 4, 4)
     assert dp.bytes_per_s == pytest.approx(4 * hw.inter_node_gbps * co.link_eff_inter * 1e9)
-    assert set(x.links) == {"tensor parallel", "data parallel, replicated"}
+    assert set(x.paths) == {"tensor parallel", "data parallel, replicated"}
     pp = explain(cfg.model, cfg.cluster, cfg.train, "dpr1_dps8_tp2_pp2_cp1_mb1_ga2_rc-none"
-                 ).links["pipeline send"]
+                 ).paths["pipeline send"]
     assert (pp.size, pp.stride, pp.nics) == (2, 16, 1)
     assert plan_main.main(["model=llama3_8b", "cluster=h100_8x_ib", "cluster.nodes=4",
                            "train.dtype=bf16", "--explain",

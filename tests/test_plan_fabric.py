@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from workbench.plan.fabric import inter_node_gbps_per_gpu
-from workbench.plan.hardware import cluster_for
-from workbench.plan.validate import default_csv, predict_case, row_case
+from workbench.plan.accuracy.fabric import inter_node_gbps_per_gpu
+from workbench.plan.accuracy.predict import default_csv, predict_case
+from workbench.plan.accuracy.published import row_case
+from workbench.plan.cost.hardware import cluster_for
 
 PROJECT = Path(__file__).resolve().parents[1] / "benchmarks" / "calibration"
 

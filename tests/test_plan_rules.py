@@ -1,4 +1,4 @@
-"""The feasibility rules are written once (workbench/plan/rules.py): layout.validate, the
+"""The feasibility rules are written once (workbench/plan/search/rules.py): validate_layout, the
 exhaustive ranking's rejections, layout=auto and the Optuna space all agree on every layout."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import pytest
 from workbench.compose import compose
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
-from workbench.layout import Layout, validate
-from workbench.plan.columns import layout_fields
-from workbench.plan.optuna_search import _space, optuna_search
-from workbench.plan.rules import RULES
-from workbench.plan.search import REASONS, divisors, enumerate_space, reasons
+from workbench.layout import Layout
+from workbench.plan.cost.columns import layout_fields
+from workbench.plan.search.exhaustive import REASONS, reasons
+from workbench.plan.search.optuna_search import _space, optuna_search
+from workbench.plan.search.rules import RULES, validate_layout
+from workbench.plan.search.space import divisors, enumerate_space
 
 ODD = ModelConfig(name="odd", family="gpt2", n_layers=6, hidden=48, n_heads=12, n_kv_heads=12,
                   ffn_hidden=192, vocab=300, seq_len=24, tie_embeddings=True, bias=True)
@@ -37,7 +38,7 @@ def rule_of(err: ConfigError, model: ModelConfig, world: int, lay: Layout):
 
 @pytest.mark.parametrize("world", [8, 12, 16, 24])
 def test_validate_and_the_ranking_reject_the_same_layouts(world: int) -> None:
-    """Rows of the planner's space with a whole grad_accum: layout.validate passes exactly where
+    """Rows of the planner's space with a whole grad_accum: validate_layout passes exactly where
     the ranking finds no broken rule and no engine rule applies, and a rule that validate names
     (not an engine one) is the one the ranking counts the layout under."""
     rng = random.Random(world)
@@ -50,7 +51,7 @@ def test_validate_and_the_ranking_reject_the_same_layouts(world: int) -> None:
             for i in rng.sample(list(whole), min(400, len(whole))):
                 lay = Layout(**layout_fields(a, i))
                 try:
-                    validate(lay, model, world)
+                    validate_layout(lay, model, world)
                 except ConfigError as err:
                     rule = rule_of(err, model, world, lay)
                     if rule.engine:
@@ -68,21 +69,21 @@ def test_validate_raises_the_first_rule_with_its_message() -> None:
              (Layout(tp=5, dp_shard=1), "layout", "= 5 != world size 1")]
     for lay, key, text in cases:
         with pytest.raises(ConfigError) as e:
-            validate(lay, m, 1)
+            validate_layout(lay, m, 1)
         assert e.value.key == key and text in e.value.valid, e.value
     with pytest.raises(ConfigError) as e:
-        validate(Layout(cp=5), m, 5)
+        validate_layout(Layout(cp=5), m, 5)
     assert e.value.key == "layout.cp" and "must divide model.seq_len=24" in e.value.valid
     with pytest.raises(ConfigError) as e:
-        validate(Layout(tp=8), m, 8)
+        validate_layout(Layout(tp=8), m, 8)
     assert e.value.key == "layout.tp" and e.value.valid == "must divide model.n_heads=12"
-    validate(Layout(tp=2, dp_shard=2), compose(["model=llama3_8b"]).model, 4)
+    validate_layout(Layout(tp=2, dp_shard=2), compose(["model=llama3_8b"]).model, 4)
 
 
 @pytest.mark.parametrize("world", [8, 12, 16])
 def test_optuna_space_is_what_the_rules_allow(world: int) -> None:
     """A degree is in Optuna's space exactly when that degree alone (everything else 1, GPipe)
-    passes layout.validate; cp is capped at 32 by the search. Engine rules do not shrink the
+    passes validate_layout; cp is capped at 32 by the search. Engine rules do not shrink the
     space (the cost model ranks such layouts), so validate runs on the model without what
     triggers them (tied embeddings, a vocabulary tp may not divide)."""
     for model in models():
@@ -93,7 +94,7 @@ def test_optuna_space_is_what_the_rules_allow(world: int) -> None:
             allowed = []
             for d in divisors(world):
                 try:
-                    validate(Layout(**{name: d}, pp_schedule="gpipe"), free, d)
+                    validate_layout(Layout(**{name: d}, pp_schedule="gpipe"), free, d)
                 except ConfigError:
                     continue
                 if name != "cp" or d <= 32:
@@ -110,6 +111,6 @@ def test_optuna_feasible_trials_pass_the_ranking_rules() -> None:
     for key in keys:
         lay = Layout.from_key(key)
         try:
-            validate(lay, c.model, 16)
+            validate_layout(lay, c.model, 16)
         except ConfigError as err:
             assert rule_of(err, c.model, 16, lay).engine, (key, err)

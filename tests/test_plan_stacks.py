@@ -11,9 +11,9 @@ from conftest import REPO
 from workbench.cli import guarded
 from workbench.compose import compose
 from workbench.plan import __main__ as plan_main
-from workbench.plan.costmodel import software_for
-from workbench.plan.stacks import STACKS, stack_software
-from workbench.plan.validate import _software, read_rows, row_case
+from workbench.plan.accuracy.predict import read_rows
+from workbench.plan.accuracy.published import _software, row_case
+from workbench.plan.cost.stacks import STACKS, software_for, stack_software
 
 FRONTIER = REPO / "benchmarks" / "calibration" / "frontier_layouts.csv"
 NEMO_70B_64 = ["model=llama3_70b", "cluster=h100_8x_ib", "cluster.nodes=8",

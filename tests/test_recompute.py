@@ -16,13 +16,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbench.compose import compose
-from workbench.plan.memory_terms import (
+from workbench.plan.cost.activations import (
     activation_bytes_per_token,
     op_policy_items,
     op_policy_share,
 )
-from workbench.plan.shapes import model_shape
-from workbench.plan.software import Software
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
 from workbench.train.model import build, cross_entropy
 from workbench.train.parallel.recompute import apply_recompute
 
@@ -126,7 +126,7 @@ def _kept_bytes(mode: str, overrides: list[str]) -> int:
 def test_op_policy_keeps_what_the_cost_model_itemizes() -> None:
     """Over full recompute (which keeps each block's input, as the op policy does too) the op
     policy keeps q, v, w1's and w2's outputs, the attention output and its log-sum-exp:
-    memory_terms.op_policy_items, measured within 5% on 16 x 512 tokens of four fp32 blocks
+    activations.op_policy_items, measured within 5% on 16 x 512 tokens of four fp32 blocks
     (235 MB predicted; 237.5 MB measured when written)."""
     overrides = ["model=gpt_tiny", "model.hidden=256", "model.ffn_hidden=768",
                  "model.seq_len=512"]

@@ -140,3 +140,18 @@ def test_only_commands_import_the_command_line_module():
                    if "workbench.cli" in _imports(name, path, set(mods))
                    and not _is_command(path))
     assert users == [], users
+
+
+def test_the_layout_value_sits_below_the_planner():
+    """workbench.layout is imported by every rank and by the planner: it imports nothing from
+    workbench.plan (validating a layout against the rules is the planner's job)."""
+    mods = _modules()
+    assert not {m for m in _imports("workbench.layout", mods["workbench.layout"], set(mods))
+                if m.startswith("workbench.plan")}
+
+
+def test_the_planner_lives_in_rooms():
+    """workbench/plan/ holds its command entries and a few modules directly; the library lives
+    in its rooms (cost/, search/, pools/, accuracy/), one concept each."""
+    direct = sorted(p.name for p in (PKG / "plan").glob("*.py"))
+    assert len(direct) <= 12, direct

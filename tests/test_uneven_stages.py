@@ -3,7 +3,7 @@ loss parity is tests/test_uneven_stages_ranks.py).
 
 The planner holds a split as first / last / fullest-middle layer counts; for identical layers the
 family it scores reaches the optimum of the general dynamic program over layers
-(workbench.plan.stages.balance_stages), which these tests check on a grid of head costs."""
+(workbench.plan.search.splits.balance_stages), which these tests check on a grid of head costs."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from test_plan_rules import rule_of
 
 from workbench.compose import compose
 from workbench.errors import ConfigError
-from workbench.layout import Layout, resolve, validate
-from workbench.plan.columns import Schedule, layout_fields
-from workbench.plan.costmodel import estimate
-from workbench.plan.search import REASONS, best_layout, enumerate_space, rank_layouts, reasons
-from workbench.plan.stages import balance_stages, candidate_ends, split_from_ends
+from workbench.layout import Layout, resolve
+from workbench.plan.cost.columns import Schedule, layout_fields, split_from_ends
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.search.exhaustive import REASONS, best_layout, rank_layouts, reasons
+from workbench.plan.search.rules import validate_layout
+from workbench.plan.search.space import enumerate_space
+from workbench.plan.search.splits import balance_stages, candidate_ends
 
 LLAMA3 = (7,) + (8,) * 14 + (7,)  # Llama 3 405B on 16 stages (the herd paper, section 3.3.2)
 
@@ -43,20 +45,20 @@ def test_stage_layers_from_the_config_and_what_is_rejected() -> None:
                    "train.global_batch=8", "train.micro_batch=2"])
     lay = resolve(cfg.layout, cfg.train, 2)
     assert lay.stage_layers == (3, 1)
-    validate(lay, cfg.model, 2)
+    validate_layout(lay, cfg.model, 2)
     bad = {(3, 2): "sums to 5; needs model.n_layers=4", (4,): "has 1 entries; needs "
            "pp*virtual_stages=2", (1, 0, 3): "has 3", (-1, 5): ">= 0 layers on the first"}
     for layers, text in bad.items():
         with pytest.raises(ConfigError) as e:
-            validate(Layout(pp=2, grad_accum=4, stage_layers=layers), cfg.model, 2)
+            validate_layout(Layout(pp=2, grad_accum=4, stage_layers=layers), cfg.model, 2)
         assert e.value.key == "layout.stage_layers" and text in e.value.valid, e.value
     with pytest.raises(ConfigError) as e:  # a middle stage without layers
-        validate(Layout(pp=4, grad_accum=4, stage_layers=(2, 0, 1, 1)), cfg.model, 4)
+        validate_layout(Layout(pp=4, grad_accum=4, stage_layers=(2, 0, 1, 1)), cfg.model, 4)
     assert "and >= 1 on every other" in e.value.valid
     with pytest.raises(ConfigError) as e:  # uneven without a list: the divisibility rule
-        validate(Layout(pp=3, grad_accum=3), cfg.model, 3)
+        validate_layout(Layout(pp=3, grad_accum=3), cfg.model, 3)
     assert e.value.key == "layout.pp" and "or give layout.stage_layers" in e.value.valid
-    validate(Layout(pp=3, grad_accum=3, stage_layers=(1, 2, 1)), cfg.model, 3)
+    validate_layout(Layout(pp=3, grad_accum=3, stage_layers=(1, 2, 1)), cfg.model, 3)
 
 
 def test_the_first_last_family_reaches_the_dynamic_programs_optimum() -> None:
@@ -116,7 +118,7 @@ def test_a_list_is_scored_by_its_fullest_stage() -> None:
 
 @pytest.mark.parametrize("world", [8, 16])
 def test_validate_and_the_ranking_agree_on_uneven_splits(world: int) -> None:
-    """The planner's split rows (with a whole grad_accum) pass layout.validate exactly where the
+    """The planner's split rows (with a whole grad_accum) pass validate_layout exactly where the
     ranking finds no broken rule (engine-only rules aside), as for the even ones."""
     rng = random.Random(world)
     for name in ("llama3_8b", "gpt_tiny"):
@@ -131,7 +133,7 @@ def test_validate_and_the_ranking_agree_on_uneven_splits(world: int) -> None:
             assert sum(lay.stage_layers) == 7 and len(lay.stage_layers) == lay.pp * \
                 lay.virtual_stages
             try:
-                validate(lay, model, world)
+                validate_layout(lay, model, world)
             except ConfigError as err:
                 rule = rule_of(err, model, world, lay)
                 assert rule.engine or REASONS[code[i]] == rule.name, (lay.key(), err)
@@ -160,7 +162,7 @@ def test_optuna_search_proposes_the_uneven_split_too() -> None:
     the embedding and the last only the head; Optuna proposes such uneven pipelines at every
     seed. Its 60-trial best is 3.8-5.4% slower than the exhaustive one (seeds 0-4; the tp 8 x
     cp 2 corner the exhaustive search finds is one TPE rarely samples), hence 6%."""
-    from workbench.plan.optuna_search import optuna_search
+    from workbench.plan.search.optuna_search import optuna_search
 
     c = compose(["model=llama3_8b", "model.n_layers=6", "model.vocab=256000",
                  "cluster=h100_8x_ib", "train.dtype=bf16", "train.global_batch=32"])
@@ -207,7 +209,7 @@ def test_llama3_405b_own_layout_is_expressed_and_its_split_wins(llama3_405b) -> 
     c, r = llama3_405b
     lay = Layout(dp_replicate=128, tp=8, pp=16, sequence_parallel=True, micro_batch=1,
                  grad_accum=16, stage_layers=LLAMA3)
-    validate(lay, c.model, 16384)
+    validate_layout(lay, c.model, 16384)
     a = r.arrays
     same = np.flatnonzero((a["tp"] == 8) & (a["pp"] == 16) & (a["dpr"] == 128) & (a["sp"] == 1)
                           & (a["mb"] == 1) & (a["rc"] == 0) & (a["sched"] == Schedule.ONE_F_ONE_B))

@@ -37,8 +37,9 @@ class ModelConfig:
 
 @dataclass
 class PoolConfig:
-    """One pool of a mixed cluster: nodes of one GPU type on one fabric (workbench.plan.pools).
-    The figures left at 0 come from the datasheet of `gpu` (workbench.plan.hardware.match_gpu)."""
+    """One pool of a mixed cluster: nodes of one GPU type on one fabric
+    (workbench.plan.pools.cluster). The figures left at 0 come from the datasheet of `gpu`
+    (workbench.plan.cost.hardware.match_gpu)."""
 
     name: str = MISSING
     gpu: str = MISSING  # accelerator name, matched loosely (A100 80GB, V100, T4, H100 ...)
@@ -77,7 +78,7 @@ class ClusterConfig:
     hbm_bw_bytes_per_s: float = MISSING
     intra_node_gbps: float = MISSING  # per device, one direction, GB/s (NVLink)
     inter_node_gbps: float = MISSING  # per device, one direction, GB/s (NIC share)
-    # Calibrated cost-model coefficients by name (see workbench/plan/coefficients.py);
+    # Calibrated cost-model coefficients by name (see workbench/plan/cost/coefficients.py);
     # empty means the physical defaults.
     coeff: Dict[str, float] = field(default_factory=dict)
     # A mixed cluster: its pools and the links between them (empty: one pool, the fields above).

@@ -1,8 +1,10 @@
 """The parallel layout of one run: a frozen value that the planner proposes and the engine applies.
 
 A layout is identified by a short canonical key (used as the MLflow tag and the Optuna trial
-attribute), so that runs with the same layout are comparable by a string match. What makes a
-layout valid is workbench.plan.rules (written once, shared with the planner).
+attribute), so that runs with the same layout are comparable by a string match. The value sits
+below the planner and imports nothing from it: every rank imports this module, and what makes a
+layout valid is the planner's (workbench.plan.search.rules.validate_layout, the rules the
+ranking uses).
 """
 
 from __future__ import annotations
@@ -11,15 +13,13 @@ import re
 from dataclasses import dataclass, fields
 from typing import Sequence
 
-import numpy as np
-
-from workbench.config import LayoutConfig, ModelConfig, TrainConfig
+from workbench.config import LayoutConfig, TrainConfig
 from workbench.errors import ConfigError
-from workbench.plan.columns import RECOMPUTE, SCHEDULES, Columns, layout_columns
-from workbench.plan.rules import RULES, first_broken
-from workbench.plan.stages import even_split, format_split, parse_split, split_from_ends
 
-__all__ = ["RECOMPUTE", "SCHEDULES", "Layout", "auto_micro_batch", "resolve", "validate"]
+# The config's spellings of Layout.recompute and Layout.pp_schedule; the planner's columns code
+# them by their position here (workbench.plan.cost.columns).
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full", "selective_op")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 _KEY_ORDER = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 _SHORT = {"dp_replicate": "dpr", "dp_shard": "dps", "tp": "tp", "pp": "pp", "cp": "cp"}
 
@@ -108,29 +108,6 @@ def format_key(dpr: int, dps: int, tp: int, pp: int, cp: int, sp: bool, mb: int,
     return key + (f"_sl{split}" if split else "")
 
 
-def row_keys(a: Columns, rows: Sequence[int]) -> list[str]:
-    """The keys of rows of planner columns: the same strings as Layout(**layout_fields(a, i))
-    .key(), about 20x faster (a 405B ranking's CSV holds 1.3 million rows)."""
-    rows = np.asarray(rows, dtype=np.int64)
-    cols = {k: a[k][rows].astype(np.int64).tolist()
-            for k in ("dpr", "dps", "tp", "pp", "cp", "sp", "mb", "ga", "rc", "sched", "v",
-                      "lf", "ll", "lsum")}
-    splits: dict[tuple[int, int, int, int], str] = {}
-    out = []
-    for j in range(len(rows)):
-        pp, v, lf = cols["pp"][j], cols["v"][j], cols["lf"][j]
-        split = ""
-        if lf >= 0:
-            ends = (cols["lsum"][j], pp * v, lf, cols["ll"][j])
-            if ends not in splits:
-                splits[ends] = format_split(split_from_ends(*ends))
-            split = splits[ends]
-        out.append(format_key(cols["dpr"][j], cols["dps"][j], cols["tp"][j], pp, cols["cp"][j],
-                              bool(cols["sp"][j]), cols["mb"][j], cols["ga"][j],
-                              RECOMPUTE[cols["rc"][j]], SCHEDULES[cols["sched"][j]], v, split))
-    return out
-
-
 def auto_micro_batch(global_batch: int, dp: int, pp: int = 1) -> int:
     """`train.micro_batch=0`: as many sequences per forward as the global batch allows without
     accumulation, so every data-parallel layout runs on the defaults. A pipeline needs at least
@@ -188,11 +165,27 @@ def _stage_layers(cfg: LayoutConfig) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def validate(layout: Layout, model: ModelConfig, world_size: int) -> None:
-    """Reject a layout that cannot run this model at this world size, before any process
-    starts; the error names the rule (the first of workbench.plan.rules that it breaks, the
-    same rules the planner ranks by)."""
-    first = int(first_broken(model, world_size, layout_columns([layout]))[0])
-    if first:
-        rule = RULES[first - 1]
-        raise ConfigError(rule.key, rule.value(layout), rule.message(model, world_size, layout))
+def even_split(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """The even split (n_stages must divide n_layers; a rule says so before anything runs)."""
+    return (n_layers // n_stages,) * n_stages
+
+
+def format_split(layers: Sequence[int]) -> str:
+    """`7-8x14-7`: a run of equal counts as COUNTxTIMES (the key form; parse_split inverts)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(layers):
+        j = i
+        while j < len(layers) and layers[j] == layers[i]:
+            j += 1
+        parts.append(str(layers[i]) if j - i == 1 else f"{layers[i]}x{j - i}")
+        i = j
+    return "-".join(parts)
+
+
+def parse_split(text: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in text.split("-"):
+        count, _, times = part.partition("x")
+        out += [int(count)] * (int(times) if times else 1)
+    return tuple(out)

@@ -24,6 +24,7 @@ from workbench.job import JOB_NAME, Job, config_dict, flat_params
 from workbench.job import config_yaml as to_yaml
 from workbench.launch import make_launcher, threads_per_rank, world_size
 from workbench.places import runs_root
+from workbench.plan.search.rules import validate_layout
 from workbench.track import manifest as manifests
 from workbench.track.tracker import create_run, record_prepared
 from workbench.train import branch
@@ -32,13 +33,13 @@ from workbench.train import branch
 def choose_layout(cfg: RunConfig, world_size: int) -> layouts.Layout:
     """The concrete layout: as configured, or the planner's best for this world size."""
     if cfg.layout.auto:
-        from workbench.plan.search import best_layout
+        from workbench.plan.search.exhaustive import best_layout
 
         layout = best_layout(cfg.model, cfg.cluster, cfg.train, world_size, cfg.lowrank,
                              margin_bytes=cfg.layout.mem_margin_gib * 2**30)
     else:
         layout = layouts.resolve(cfg.layout, cfg.train, world_size)
-    layouts.validate(layout, cfg.model, world_size)
+    validate_layout(layout, cfg.model, world_size)
     return layout
 
 
@@ -98,7 +99,7 @@ def check_fits(cfg: RunConfig, layout: layouts.Layout) -> None:
     their placement instead; a run the model cannot price is let through."""
     if not cfg.layout.check_memory or cfg.launcher.stage_pools:
         return
-    from workbench.plan.costmodel import estimate
+    from workbench.plan.cost.estimate import estimate
 
     try:
         est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
@@ -190,7 +191,7 @@ def _prediction(cfg: RunConfig, layout: layouts.Layout) -> Dict[str, float]:
     """The cost model's prediction (`pred/*`), logged beside what will be measured so that
     calibration is a query; {} when there is no planner or it cannot price this run."""
     try:
-        from workbench.plan.costmodel import estimate
+        from workbench.plan.cost.estimate import estimate
     except ImportError:
         return {}
     try:

@@ -6,8 +6,8 @@ inputs; `--out PATH`, `--top N`, `--world-size N`, `--optuna N` (also run an N-t
 search and report it), `--margin-gib G` (a layout fits when its predicted peak plus G GiB stays
 within HBM), `--tokens T` (each layout's days and GPU-hours for a budget of T tokens) and
 `--explain LAYOUT` (itemize one layout's peak memory and step time instead of ranking),
-`--stack NAME` (plan for this engine, Megatron-Core or torchtitan: workbench.plan.stacks) and
-`--fp8` (FP8 linears on those stacks) are the command's own options.
+`--stack NAME` (plan for this engine, Megatron-Core or torchtitan: workbench.plan.cost.stacks)
+and `--fp8` (FP8 linears on those stacks) are the command's own options.
 """
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ from workbench.cli import ArgParser, guarded
 from workbench.compose import compose
 from workbench.config import RunConfig
 from workbench.errors import ConfigError, InputError
-from workbench.layout import degrees_key, row_keys
-from workbench.plan.hardware import GIB
-from workbench.plan.search import REASONS, Ranking, rank_layouts
-from workbench.plan.software import Software
-from workbench.plan.stacks import STACKS, stack_software
+from workbench.layout import degrees_key
+from workbench.plan.cost.columns import row_keys
+from workbench.plan.cost.explain import explain, render
+from workbench.plan.cost.hardware import GIB
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import STACKS, stack_software
+from workbench.plan.pools.explain import explain_pools, render_pools
+from workbench.plan.pools.report import pool_main
+from workbench.plan.search.exhaustive import REASONS, Ranking, rank_layouts
+from workbench.plan.search.optuna_search import optuna_search
 
 
 def budget(tokens: float, tokens_per_s: float, gpus: int) -> tuple[float, float]:
@@ -65,8 +70,9 @@ def write_ranking(path: Path, r: Ranking, tokens: float = 0.0) -> None:
 def _rejected_lines(r: Ranking, n_extra: int) -> Iterator[str]:
     """The rejected layouts' CSV lines, as csv.writer writes them. Keyed as feasible ones are
     when their micro-batch count is whole, else by their degrees and micro-batch (the key would
-    need a grad_accum they do not have). Built as text from lists: a 405B ranking rejects 1.3
-    million layouts, and numpy indexing or csv.writer per row cost 5 of its 8 seconds."""
+    need a grad_accum they do not have). Built as text from lists: a large space rejects over
+    a million layouts, where numpy indexing or csv.writer per row would take most of the time
+    (README, the 405B ranking)."""
     a = r.arrays
     rejected = np.flatnonzero(r.reason > 0)
     keyed = rejected[a["ga"][rejected] >= 1]
@@ -144,8 +150,6 @@ def _rank(cfg: RunConfig, args: argparse.Namespace, world: int, sw: Software) ->
     write_ranking(out, r, args.tokens)
     print(f"full ranking: {out}")
     if args.optuna:
-        from workbench.plan.optuna_search import optuna_search
-
         res = optuna_search(cfg.model, cfg.cluster, cfg.train, world, args.optuna,
                             cfg.train.seed, cfg.lowrank, margin_bytes=margin, software=sw)
         best = r.tokens_per_s[r.order[0]] if len(r.order) else float("nan")
@@ -190,8 +194,6 @@ def main(argv: list[str]) -> int:
                                                  "(cluster.pools): it plans this engine's "
                                                  "stages over the pools")
     if args.explain and cfg.cluster.pools:  # a mixed cluster: one pipeline over pools
-        from workbench.plan.hetero_explain import explain_pools, render_pools
-
         print("\n".join(render_pools(explain_pools(
             cfg.model, cfg.cluster, cfg.train, args.explain, args.stages, cfg.lowrank,
             args.margin_gib * GIB))))
@@ -200,8 +202,6 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--stages", args.stages, "only with --explain on a mixed cluster "
                                                    "(cluster.pools)")
     if args.explain:
-        from workbench.plan.explain import explain, render
-
         x = explain(cfg.model, cfg.cluster, cfg.train, args.explain, cfg.lowrank, args.margin_gib,
                     world, sw)
         print(f"stack {args.stack} ({sw.precision})")
@@ -211,9 +211,7 @@ def main(argv: list[str]) -> int:
             days, hours = budget(args.tokens, rate, x.layout.world_size)
             print(f"{args.tokens:.4g} tokens: {days:.1f} days, {hours:.4g} GPU-hours")
         return 0
-    if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.hetero)
-        from workbench.plan.hetero_report import pool_main
-
+    if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.pools)
         return pool_main(cfg, args.out, args.top, args.margin_gib)
     return _rank(cfg, args, world, sw)
 

@@ -62,7 +62,7 @@ def candidate(sw: Sweep, record: TrialRecord) -> tuple[RunConfig | None, str]:
                                              sw.sweep.parallelism)
     record.layout = layout.key()
     try:
-        from workbench.plan.costmodel import estimate
+        from workbench.plan.cost.estimate import estimate
 
         est = estimate(cfg.model, cfg.cluster, cfg.train, layout, cfg.lowrank)
         record.pred = {k: float(v) for k, v in est.as_metrics().items()

@@ -41,12 +41,12 @@ def scaling_chart(out: Any) -> None:
     GPUs, with the recorded rate-limited-link measurements) beside the comparison: a prediction,
     so it costs a second or two, not a measurement. A failure leaves the report without it."""
     try:
-        from workbench.plan import dp_chart
+        from workbench.lowrank import dp_chart
 
         dp_chart.write(out / "dp_scaling.png")
     except Exception as e:
         print(f"lowrank sweep: scaling chart failed: {e}", file=sys.stderr)
         return
     with open(out / "report.md", "a") as f:
-        f.write("\n## Predicted data-parallel scaling (workbench.plan.dp_chart)\n\n"
+        f.write("\n## Predicted data-parallel scaling (workbench.lowrank.dp_chart)\n\n"
                 "![dp_scaling.png](dp_scaling.png)\n")

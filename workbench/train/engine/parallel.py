@@ -117,7 +117,7 @@ class ParallelEngine:
         """Gradient accumulation: DDP all-reduces on the last micro-batch only; FSDP
         reduce-scatters every micro-batch (so no unsharded gradient outlives its block, the
         memory FSDP is chosen for) and all-reduces over dp_replicate (HSDP) on the last only,
-        as the cost model charges (workbench.plan.terms.data_parallel)."""
+        as the cost model charges (workbench.plan.cost.data_parallel)."""
         model, n = self.parts[0], len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):

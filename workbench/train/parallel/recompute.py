@@ -33,7 +33,7 @@ def apply_recompute(model: Transformer, mode: str) -> None:
     recomputes every other block (odd global index, so pipeline stages agree), halving
     activation memory for half the recompute. With fused attention there is no s*s tensor for
     Korthikanti's attention-core recompute to drop, so selective means this (torchtitan's layer
-    policy with frequency 2), and the cost model (plan/terms.py) models exactly this.
+    policy with frequency 2), and the cost model (plan/cost/stages.py) models exactly this.
     `selective_op` checkpoints every block but keeps some op outputs (op_policy): the
     backward redoes the cheap elementwise ops and every second matmul, not the attention."""
     if mode == "none":

@@ -2,10 +2,10 @@
 8 to 1,024 GPUs (124M, 1.5B and 7B models; 100 Gbit/s Ethernet and 400 Gbit/s InfiniBand), and
 the points measured over the rate-limited CPU link beside the model's prediction for that link.
 
-    python -m workbench.plan.dp_chart [--out dp_scaling.png] [--tokens-per-gpu 8192]
+    python -m workbench.lowrank.dp_chart [--out dp_scaling.png] [--tokens-per-gpu 8192]
 
-Why separate from the benchmark: the prediction is cheap (milliseconds of numpy) and belongs in
-every `+sweep=lowrank_vs_fullrank` report, while the measurement takes minutes and root. The
+Why separate from the benchmark: the prediction is cheap (numpy over the cost model) and belongs
+in every `+sweep=lowrank_vs_fullrank` report, while the measurement takes minutes and root. The
 measured points come from the last `benchmarks/lowrank_scaling.py --record` (dp_measured.json
 beside this module, with its date, rate and load); the prediction for that link is recomputed
 here from the recorded one-rank step times, so the chart always shows the current model.
@@ -13,13 +13,23 @@ here from the recorded one-rank step times, so the chart always shows the curren
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from omegaconf import OmegaConf
+
 from workbench.compose import typed
-from workbench.config import ModelConfig
+from workbench.config import CONF_DIR, ModelConfig
+from workbench.lowrank.dp_scaling import (
+    MODES,
+    DpNetwork,
+    cpu_prediction,
+    gpu_curve,
+    gpu_network,
+)
 
 MEASURED = Path(__file__).with_name("dp_measured.json")
 MODELS = {"gpt2_124m": "124M", "gpt2_xl": "1.5B", "llama2_7b": "7B"}
@@ -35,37 +45,28 @@ MARKERS = {"off": "o", "adaptive": "s", "fixed": "^", "powersgd": "D"}
 
 def load_model(name: str) -> ModelConfig:
     """A model from conf/model without Hydra (the chart is drawn inside a running sweep)."""
-    from omegaconf import OmegaConf
-
-    from workbench.config import CONF_DIR
-
     path = Path(CONF_DIR) / "model" / f"{name}.yaml"
     return typed(ModelConfig, OmegaConf.load(path), str(path))
 
 
-def links() -> Dict[str, Any]:
-    from workbench.plan.dp_scaling import gpu_link
-
-    return {"100 Gbit/s Ethernet (one NIC per 8-GPU node)": gpu_link("eth100", 100, 8),
-            "400 Gbit/s InfiniBand (one NIC per GPU)": gpu_link("ib400", 400, 1)}
+def networks() -> Dict[str, DpNetwork]:
+    """The two GPU networks the chart compares: where bytes are the bottleneck, and where not."""
+    return {"100 Gbit/s Ethernet (one NIC per 8-GPU node)": gpu_network("eth100", 100, 8),
+            "400 Gbit/s InfiniBand (one NIC per GPU)": gpu_network("ib400", 400, 1)}
 
 
 def predicted(tokens_per_gpu: int) -> Dict[str, Dict[tuple, List[float]]]:
-    """{link: {(model, mode): efficiency per SIZES}}."""
-    from workbench.plan.dp_scaling import MODES, gpu_curve
-
+    """{network: {(model, mode): efficiency per SIZES}}."""
     models = {k: load_model(k) for k in MODELS}
-    return {name: {(m, mode): [p.efficiency for p in gpu_curve(models[m], mode, link, SIZES,
+    return {name: {(m, mode): [p.efficiency for p in gpu_curve(models[m], mode, network, SIZES,
                                                                tokens_per_gpu)]
                    for m in MODELS for mode in MODES}
-            for name, link in links().items()}
+            for name, network in networks().items()}
 
 
 def measured_link_curves(rec: Dict[str, Any]) -> Dict[str, List[tuple]]:
     """{mode: [(world, measured efficiency, predicted efficiency)]} for the recorded link,
     predicted again from the recorded one-rank step times."""
-    from workbench.plan.dp_scaling import cpu_prediction
-
     model = load_model("gpt_small")
     model.seq_len = int(rec.get("seq_len", 128))
     out: Dict[str, List[tuple]] = {}
@@ -83,6 +84,9 @@ def measured_link_curves(rec: Dict[str, Any]) -> Dict[str, List[tuple]]:
 
 def write(path: Path, tokens_per_gpu: int = 8192, measured: Optional[Path] = None) -> Path:
     """Draw the chart into `path` (PNG); the measured panel only when a record exists."""
+    # pyplot loads in most of a second and wants its backend chosen first: imported where the
+    # chart is drawn, as the other plots are (the sweep imports this module to draw, tests to
+    # read the record)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,8 +134,6 @@ def write(path: Path, tokens_per_gpu: int = 8192, measured: Optional[Path] = Non
 
 
 def main(argv: List[str]) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="dp_scaling.png")
     ap.add_argument("--tokens-per-gpu", type=int, default=8192)

@@ -1,26 +1,26 @@
 """Pipelines over pools of different GPUs: stage costs per pool, the layer split, the step time.
 
 A stage of a heterogeneous layout lives on one pool, so its cost is the cost model's own per-layer
-terms evaluated with that pool's GpuSpec and coefficients (workbench.plan.terms.evaluate, run on a
-one- and a two-layer model without a pipeline: the difference is one layer, the rest the
+terms evaluated with that pool's GpuSpec and coefficients (workbench.plan.cost.estimate.evaluate,
+run on a one- and a two-layer model without a pipeline: the difference is one layer, the rest the
 embedding, LM head and loss). Nothing physical is re-derived here; what is new is the pipeline
 of unlike stages:
 
 - stage s with n_s layers takes t_s = n_s c_s + e_s per micro-batch (c_s: a layer on its pool;
   e_s: the head and loss on the last stage plus its slower neighbour transfer, twice, as
-  terms.stage charges a pipeline rank) and holds m_s = n_s u_s + w_s bytes (u_s: a layer's
+  cost.stages charges a pipeline rank) and holds m_s = n_s u_s + w_s bytes (u_s: a layer's
   weights, gradients and optimizer state plus its activations times the micro-batches 1F1B keeps
   in flight on stage s, min(S - s, ga); w_s: embedding / head state, logits, buffers, fixed);
-- a 1F1B step takes sum_s t_s (fill and drain) + (ga - 1) max_s t_s, which is terms'
+- a 1F1B step takes sum_s t_s (fill and drain) + (ga - 1) max_s t_s, which is the cost model's
   (ga + pp - 1) t for equal stages; then the slowest stage's data-parallel all-reduce and
   optimizer step, each linear in its layers;
 - the split minimizes max_s t_s under every m_s <= its pool's memory. With layers alike within a
-  pool this is the dynamic program over layers of workbench.plan.stages.balance_stages with a
+  pool this is the dynamic program over layers of workbench.plan.search.splits.balance_stages with a
   per-stage speed, solved exactly by bisection on the stage time T: stage s holds at most
   min(cap_s, floor((T - e_s) / c_s)) layers, and T is feasible when those hold every layer.
 
-A transfer between stages on one pool uses the pool's links (links.group_bw); between pools it
-pays the cluster's link between them (workbench.plan.pools).
+A transfer between stages on one pool uses the pool's links (communication.group_bw); between pools
+it pays the cluster's link between them (workbench.plan.pools.cluster).
 """
 
 from __future__ import annotations
@@ -29,16 +29,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from workbench.plan.columns import Columns
-from workbench.plan.links import collective_link, group_bw
-from workbench.plan.memory_terms import LOSS_BYTES_PER_LOGIT
-from workbench.plan.pools import Link, Pool
-from workbench.plan.shapes import ModelShape
-from workbench.plan.terms import (
-    OPTIMIZER_BYTES_PER_PARAM,
-    Software,
-    evaluate,
-)
+from workbench.plan.cost.activations import LOSS_BYTES_PER_LOGIT
+from workbench.plan.cost.columns import Columns
+from workbench.plan.cost.communication import collective_link, group_bw
+from workbench.plan.cost.estimate import OPTIMIZER_BYTES_PER_PARAM, evaluate
+from workbench.plan.cost.shapes import ModelShape
+from workbench.plan.cost.software import Software
+from workbench.plan.pools.cluster import Pool, PoolLink
 
 STATE = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes")
 
@@ -74,13 +71,13 @@ def base_columns(a: Columns) -> Columns:
             "lsum": even}
 
 
-def pool_costs(ms: ModelShape, pool: Pool, sw: Software, a: Columns, gb: float) -> PoolCosts:
+def pool_costs(ms: ModelShape, pool: Pool, sw: Software, a: Columns) -> PoolCosts:
     """Per-layer and per-end costs of the layouts `a` (with `ga`; pp ignored) on `pool`."""
     b = base_columns(a)
 
     def ev(n: int) -> dict[str, np.ndarray]:
         m = replace(ms, n_layers=n, lowrank_layers=ms.lowrank_layers * n / ms.n_layers)
-        return evaluate(m, pool.spec, pool.coeff, sw, b, gb)
+        return evaluate(m, pool.spec, pool.coeff, sw, b)
 
     e1, e2 = ev(1), ev(2)
     per_mb1, per_mb2 = e1["stage_micro_batch_s"], e2["stage_micro_batch_s"]
@@ -156,7 +153,7 @@ def build(costs: list[PoolCosts], pool_idx: np.ndarray, base_idx: np.ndarray,
     grow = 1 + np.array([c.frag for c in costs])[pi]  # the allocator's fragmentation
     u_parts = {"layer weights, gradients, optimizer": take("layer_state_bytes"),
                "layer activations in flight": inflight * take("layer_act_bytes") * grow}
-    # in a pipeline every stage also holds one boundary activation in and one out (terms.memory)
+    # in a pipeline every stage also holds one boundary activation in and one out (cost.memory)
     w_parts = {"embedding state": np.where(first, take("embed_state_bytes"), 0.0),
                "LM head state": np.where(last, take("head_state_bytes"), 0.0),
                "buffers: logits + loss": np.where(last, take("logits_bytes"), 0.0) * grow,
@@ -177,12 +174,13 @@ def build(costs: list[PoolCosts], pool_idx: np.ndarray, base_idx: np.ndarray,
                   lo=np.where(on & ~first & ~last, 1.0, 0.0), u_parts=u_parts, w_parts=w_parts)
 
 
-def cross_time(costs: list[PoolCosts], pools: list[Pool], links: dict[tuple[str, str], Link],
-               a_pool: int, b_pool: int, base_idx: np.ndarray) -> np.ndarray:
+def cross_time(costs: list[PoolCosts], pools: list[Pool],
+               pool_links: dict[tuple[str, str], PoolLink], a_pool: int, b_pool: int,
+               base_idx: np.ndarray) -> np.ndarray:
     """One activation transfer over the link from pool a to pool b (nan: the same pool)."""
     if a_pool == b_pool:
         return np.full(len(base_idx), np.nan)
-    link = links[(pools[a_pool].name, pools[b_pool].name)]
+    link = pool_links[(pools[a_pool].name, pools[b_pool].name)]
     eff = min(costs[a_pool].link_eff, costs[b_pool].link_eff)
     return costs[a_pool].p2p_bytes[base_idx] / (link.bytes_per_s * eff) + link.latency_s
 

@@ -5,18 +5,17 @@ A user who will run Megatron-Core or torchtitan wants the layout that is fastest
 this engine: the stacks differ in what they overlap, shard and fuse (Megatron-Core hides TP
 collectives behind GEMMs and shards only optimizer states; torchtitan shards everything with
 FSDP2 and runs eager elementwise ops unless compiled). Each stack here is the Software that
-validate._software reads from that stack's published rows, so the planner prices a layout the
-way the calibration scored those rows (tests/test_plan_stacks.py holds them equal).
+workbench.plan.accuracy.published reads from that stack's published rows, so the planner prices
+a layout the way the calibration scored those rows (tests/test_plan_stacks.py holds them equal).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from workbench.config import ClusterConfig, TrainConfig
+from workbench.config import ClusterConfig, TrainConfig, compute_dtype
 from workbench.errors import ConfigError
-from workbench.plan.costmodel import software_for
-from workbench.plan.software import Software
+from workbench.plan.cost.software import Software
 
 # name -> what it is and the calibration sources that score it (README, SOURCES.md)
 STACKS: dict[str, str] = {
@@ -28,6 +27,18 @@ STACKS: dict[str, str] = {
                   "train.compile, torchao FP8 compiled (scored: torchtitan_2412, "
                   "torchtitan_asynctp, torchtitan_h200)",
 }
+
+
+def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
+    """The stack this repository trains with: fused attention, no dropout, overlapped DP,
+    all-gather context parallelism, in the dtype a run on this cluster computes in (`auto`: bf16
+    on cuda, fp32 on cpu). Its TP plan has a column-parallel linear per projection, each
+    all-reducing its input gradient without SP, and its pipeline sends a stage's output as the
+    plan leaves it: the sequence shard under SP, else the whole tensor from every TP rank."""
+    return Software(precision=compute_dtype(train, cluster),
+                    compiled=bool(getattr(train, "compile", False)), cp_allgather=True,
+                    batch_first_sp=True, p2p_tp_split=False, separate_qkv=True,
+                    separate_gate_up=True)
 
 
 def stack_software(stack: str, train: TrainConfig, cluster: ClusterConfig,

@@ -1,8 +1,11 @@
-"""Accelerator datasheet figures, matched loosely from the names people write in papers and tables.
+"""Where the cost model's hardware comes from: `hardware_for(cluster)`, the one function every
+planner path asks for a cluster's GpuSpec, and the datasheets behind it.
 
-The planner needs a ClusterConfig; published tables name a GPU ("A100-SXM-80GB (Selene DGX A100)",
-"H100 96GB HBM2e (500W, Grand Teton)", "H200 141GB") and a GPU count. This module turns such a
-name into datasheet figures plus interconnect defaults, so that rows from any source can be
+The cluster's own figures win (its YAML; measured hardware would come in here too); the
+datasheet of the GPU its name matches adds what a YAML does not say (FP8 peak, power cap, SM
+count). Published tables name a GPU loosely ("A100-SXM-80GB (Selene DGX A100)", "H100 96GB HBM2e
+(500W, Grand Teton)", "H200 141GB"): `cluster_for` turns such a name and a GPU count into a
+ClusterConfig of datasheet figures plus interconnect defaults, so that rows from any source are
 estimated on the same footing. Every figure is a vendor datasheet number (dense, no sparsity).
 """
 
@@ -96,8 +99,11 @@ def match_gpu(name: str) -> GpuSpec:
     raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (matched loosely)")
 
 
-def spec_of_cluster(cluster: ClusterConfig) -> tuple[GpuSpec, float]:
-    """The cluster's figures as a GpuSpec plus its FP8 peak (datasheet when the name matches)."""
+def hardware_for(cluster: ClusterConfig) -> GpuSpec:
+    """The hardware the cost model prices a cluster's GPUs with: every planner path asks this
+    one function, so where the figures come from is decided here. The cluster's own figures
+    (its YAML, or cluster_for's datasheet copy), with the FP8 peak, power cap and SM count of
+    the datasheet GPU its name matches (none where it matches none)."""
     try:
         fp8 = match_gpu(cluster.gpu).peak_fp8_flops
         capped = match_gpu(cluster.gpu).power_capped
@@ -105,11 +111,10 @@ def spec_of_cluster(cluster: ClusterConfig) -> tuple[GpuSpec, float]:
     except KeyError:
         fp8, capped, sms = 0.0, False, 0
     peak16 = float(cluster.peak_bf16_flops)
-    spec = GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
+    return GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
                    float(cluster.hbm_bytes), float(cluster.hbm_bw_bytes_per_s),
                    float(cluster.intra_node_gbps), float(cluster.inter_node_gbps),
                    int(cluster.gpus_per_node), capped, sms)
-    return spec, spec.peak_fp8_flops
 
 
 def cluster_for(gpu_name: str, n_gpus: int, gpus_per_node: int | None = None,

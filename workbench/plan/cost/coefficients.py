@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 from workbench.config import ClusterConfig
 from workbench.errors import ConfigError
-from workbench.plan.hardware import match_gpu
+from workbench.plan.cost.hardware import match_gpu
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class Coefficients:
     # GEMM dimension (rows or columns per rank) at which that fraction halves: tensor-core tiles
     # are 128-256 wide, so a dimension of a few tens wastes most of a tile (wave quantization).
     mm_dim_half: float = 40.0
-    # 1: count the tile and wave quantization of the GEMM library exactly (workbench.plan.
-    # gemm_tiles: 256x128 output tiles in waves of one per SM, on GPUs with a known SM count)
+    # 1: count the tile and wave quantization of the GEMM library exactly (workbench.plan.cost.
+    # gemm_fill: 256x128 output tiles in waves of one per SM, on GPUs with a known SM count)
     # instead of the smooth mm_dim_half curve; 0: the smooth curve. On for Ampere, whose cuBLAS
     # launches one thread block per tile. Off for Hopper: its cuBLAS runs persistent,
     # warp-specialized kernels whose tile schedulers reorder and split the last wave's work (the

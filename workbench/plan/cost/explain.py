@@ -3,7 +3,8 @@
 A planner that says "does not fit" or "fits" is only useful if a user can check why: this prints
 the peak-memory itemization of the rank that peaks (weights, gradients, optimizer states,
 activations, each buffer, fragmentation and fixed allowances) and the step-time terms, from the
-same `terms.evaluate` the ranking uses, so the parts always add up to what the ranking printed.
+same `evaluate` (workbench.plan.cost.estimate) the ranking uses, so the parts always add up to
+what the ranking printed.
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ import numpy as np
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError
 from workbench.layout import Layout
-from workbench.layout import validate as validate_layout
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.columns import layout_columns
-from workbench.plan.costmodel import _to_estimate, hardware_for, software_for
-from workbench.plan.hardware import GIB, GpuSpec
-from workbench.plan.links import group_bw, nic_rails
-from workbench.plan.shapes import model_shape
-from workbench.plan.software import Software
-from workbench.plan.terms import MEM_TERMS, TIME_TERMS, evaluate, setup
-from workbench.plan.validate import engine_only
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.columns import layout_columns
+from workbench.plan.cost.communication import group_bw, nic_rails
+from workbench.plan.cost.estimate import MEM_TERMS, TIME_TERMS, estimate_of_row, evaluate
+from workbench.plan.cost.hardware import GIB, GpuSpec, hardware_for
+from workbench.plan.cost.per_rank import per_rank
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import software_for
+from workbench.plan.search.rules import engine_only, validate_layout
 
-# (label, key in terms.evaluate) in print order; the buffer and fixed lines are their parts.
+# (label, key in evaluate's terms) in print order; the buffer and fixed lines are their parts.
 MEMORY_LINES = (
     ("weights", "mem_params_bytes"), ("gradients", "mem_grads_bytes"),
     ("optimizer states", "mem_optimizer_bytes"), ("activations", "mem_activations_bytes"),
@@ -40,10 +41,10 @@ FIXED_LABEL = "fixed (CUDA context, NCCL, cuBLAS)"
 
 
 @dataclass(frozen=True)
-class Link:
-    """The bandwidth the model gives one group's collectives: `size` ranks `stride` apart, over
-    `nodes` nodes, using `nics` NICs of each node (NCCL's rails: one ring per member on a node);
-    nics 0 inside a node (NVLink)."""
+class GroupPath:
+    """The path one group's collectives take and the bandwidth the model gives it: `size` ranks
+    `stride` apart, over `nodes` nodes, using `nics` NICs of each node (NCCL's rails: one ring
+    per member on a node); nics 0 inside a node (NVLink)."""
 
     size: int
     stride: int
@@ -65,7 +66,7 @@ class Explanation:
     time_s: dict[str, float]
     step_time_s: float
     mfu: float
-    links: dict[str, Link]
+    paths: dict[str, GroupPath]
 
     @property
     def fits(self) -> bool:
@@ -99,39 +100,40 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
             raise
     if margin_gib < 0:
         raise ConfigError("--margin-gib", margin_gib, "a non-negative number of GiB")
-    ms, hw = model_shape(model, lowrank), hardware_for(cluster)
-    sw, co = software or software_for(train, cluster), coefficients(cluster)
-    a = layout_columns([layout])
-    t = evaluate(ms, hw, co, sw, a, float(layout.global_batch))
-    est = _to_estimate(t, ms, hw, sw, a, float(layout.global_batch), layout.world_size, 0)
-    x = setup(ms, hw, co, sw, a)
-    dps, dpr = float(x.dps[0]), float(x.dpr[0])
+    shape, gpu = model_shape(model, lowrank), hardware_for(cluster)
+    software, coeff = software or software_for(train, cluster), coefficients(cluster)
+    cols = layout_columns([layout])
+    t = evaluate(shape, gpu, coeff, software, cols)
+    est = estimate_of_row(t, shape, gpu, software, cols, float(layout.global_batch),
+                          layout.world_size, 0)
+    rank = per_rank(shape, gpu, coeff, software, cols)
+    shards, replicas = float(rank.shard_ranks[0]), float(rank.reduce_ranks[0])
     groups = {"tensor parallel": (layout.tp, 1), "context parallel": (layout.cp, layout.tp),
-              "data parallel, sharded": (dps, layout.tp),
-              "data parallel, replicated": (dpr, float(x.dpr_stride[0])),
-              "pipeline send": (2 if layout.pp > 1 else 1, layout.tp * dpr * dps)}
+              "data parallel, sharded": (shards, layout.tp),
+              "data parallel, replicated": (replicas, float(rank.reduce_stride[0])),
+              "pipeline send": (2 if layout.pp > 1 else 1, layout.tp * replicas * shards)}
     mem = {label: float(t[k][0]) for label, k in MEMORY_LINES}
     mem[FIXED_LABEL] = float(t["mem_fixed_bytes"][0] - t["mem_fragmentation_bytes"][0])
     return Explanation(layout=layout, memory_bytes=mem,
                        peak_bytes=float(sum(t[k][0] for k in MEM_TERMS)),
-                       hbm_bytes=hw.hbm_bytes, margin_bytes=margin_gib * GIB,
+                       hbm_bytes=gpu.hbm_bytes, margin_bytes=margin_gib * GIB,
                        peak_rank=int(t["mem_peak_rank"][0]),
                        time_s={k: float(t[k][0]) for k in TIME_TERMS},
                        step_time_s=est.step_time_s, mfu=est.mfu,
-                       links={name: _link_of(size, stride, hw, co)
+                       paths={name: _path_of(size, stride, gpu, coeff)
                               for name, (size, stride) in groups.items() if size > 1})
 
 
-def _link_of(size: float, stride: float, hw: GpuSpec, co: Coefficients) -> Link:
-    """The terms' own bandwidth for a group (links.group_bw) and what it assumed: a user whose
-    stack's collectives do not use a NIC per member (hagemann2023's in-step sync ran 6-9x
-    slower than this) sees the assumption here and sets cluster.inter_node_gbps to match."""
-    n, st = np.array([float(size)]), np.array([float(stride)])
-    inside = size * stride <= hw.gpus_per_node
-    return Link(size=int(size), stride=int(stride),
-                nodes=1 if inside else int(-(-size * stride // hw.gpus_per_node)),
-                nics=0 if inside else int(nic_rails(n, st, hw)[0]),
-                bytes_per_s=float(group_bw(n, st, hw, co)[0]))
+def _path_of(size: float, stride: float, gpu: GpuSpec, coeff: Coefficients) -> GroupPath:
+    """The terms' own bandwidth for a group (communication.group_bw) and what it assumed: a
+    user whose stack's collectives do not use a NIC per member (the README's hagemann2023
+    notes) sees the assumption here and sets cluster.inter_node_gbps to match."""
+    sizes, strides = np.array([float(size)]), np.array([float(stride)])
+    inside = size * stride <= gpu.gpus_per_node
+    return GroupPath(size=int(size), stride=int(stride),
+                     nodes=1 if inside else int(-(-size * stride // gpu.gpus_per_node)),
+                     nics=0 if inside else int(nic_rails(sizes, strides, gpu)[0]),
+                     bytes_per_s=float(group_bw(sizes, strides, gpu, coeff)[0]))
 
 
 def render(x: Explanation) -> list[str]:
@@ -151,8 +153,9 @@ def render(x: Explanation) -> list[str]:
         out.append(f"  {k.removeprefix('time_').removesuffix('_s'):<40}{s:>10.4f} s")
     out.append(f"  {'total':<40}{x.step_time_s:>10.4f} s   (MFU {x.mfu:.1%})")
     out.append("links (GB/s the model gives each group; across nodes, a NIC per member on a node):")
-    for name, k in x.links.items():
-        where = ("inside a node" if not k.nics else
-                 f"over {k.nodes} nodes, {k.nics} NIC{'s' if k.nics > 1 else ''} per node")
-        out.append(f"  {name:<27}{k.size:>5} ranks {where:<34}{k.bytes_per_s / 1e9:>8.1f} GB/s")
+    for name, path in x.paths.items():
+        where = ("inside a node" if not path.nics else
+                 f"over {path.nodes} nodes, {path.nics} NIC{'s' if path.nics > 1 else ''} per node")
+        out.append(f"  {name:<27}{path.size:>5} ranks {where:<34}"
+                   f"{path.bytes_per_s / 1e9:>8.1f} GB/s")
     return out

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError
-from workbench.plan.hardware import GIB
-from workbench.plan.hetero_search import HeteroRanking, rank_pools, world_of
+from workbench.plan.cost.hardware import GIB
+from workbench.plan.pools.search import HeteroRanking, rank_pools, world_of
 
 
 @dataclass(frozen=True)

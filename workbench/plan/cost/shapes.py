@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.config import LowRankConfig, ModelConfig
+from workbench.lowrank.ranks import fixed_rank, no_gain
 
 # (rows m, cols n, column_parallel) of each linear in a block; column-parallel linears are split
 # along n by tensor parallelism, row-parallel ones along m (Megatron's pairing).
@@ -61,8 +62,6 @@ def _factor(m: int, n: int, col: bool, ratio: float, multiple: int = 1) -> tuple
     """(m, n) -> (m, r) then (r, n): FLOPs and parameters scale by r(m+n)/(mn). The rank is the
     one training picks (workbench.lowrank.ranks.fixed_rank), and a layer whose factors would not
     be smaller stays dense, as training's no-gain guard keeps it."""
-    from workbench.lowrank.ranks import fixed_rank, no_gain
-
     r = fixed_rank(ratio, n, m, multiple)
     if no_gain(r, n, m):
         return ((m, n, col),)

@@ -1,55 +1,58 @@
 """Data-parallel scaling of full rank, low rank and PowerSGD: bytes per step from the model's
-shape, the time of the gradient all-reduce over a link, and the scaling efficiency
+shape, the time of the gradient all-reduce over a network, and the scaling efficiency
 (tokens/s at N ranks / (N x tokens/s at 1 rank), the per-rank batch held fixed) that follows.
 
-Why a module of its own: the question "how far does sending fewer bytes carry data parallelism"
-needs one formula applied to two very different links: GPUs behind NVLink and a NIC (the compute
-side predicted by workbench.plan.terms), and the CPU ranks of benchmarks/lowrank_scaling.py behind
-a `tc`-limited veth link (the compute side measured at world size 1 in the same run). The step is
+Why apart from the planner: the question "how far does sending fewer bytes carry data
+parallelism" is the low-rank work's, and it is asked of two very different networks: GPUs behind
+NVLink and NICs (the compute side predicted by the cost model's `estimate`), and the CPU ranks of
+benchmarks/lowrank_scaling.py behind a `tc`-limited veth link (the compute side measured at
+world size 1 in the same run). The all-reduce is the cost model's own
+(workbench.plan.cost.communication: a ring all-reduce's 2 (N-1)/N of the payload over the
+group's bandwidth plus the collective's latency, and what the backward hides of it); only the
+network differs. On GPUs the cost model prices the group too (`collective_link`: NVLink inside
+a node, the node's NICs across nodes, a latency per doubling of the group); the CPU ranks' veth
+link is not a cluster the cost model knows, so its bandwidth is the `tc` rate's TCP payload and
+its latency gloo's ring, one hop at a time (measured in the same run where given). The step is
 
     step(N) = compute(N) + exposed(allreduce(N)),   exposed = max(c (1 - overlap), c - backward)
 
-with allreduce(N) a ring all-reduce: each rank sends and receives 2 (N-1)/N of the payload over
-its share of the link, plus one latency per ring hop of every collective. The payload is what
-the engine's ByteCounter measures (comm/allreduce_bytes): every trainable gradient once in fp32
-for full and factorized models; for PowerSGD the rank-r factors P (m x r) and Q (n x r) of every
-matrix it compresses and the uncompressed rest.
+The payload is what the engine's ByteCounter measures (comm/allreduce_bytes): every trainable
+gradient once in fp32 for full and factorized models; for PowerSGD the rank-r factors P (m x r)
+and Q (n x r) of every matrix it compresses and the uncompressed rest. Every collective of the
+step (collectives(): DDP's buckets, or PowerSGD's three all-reduces in its one bucket, and the
+loss) pays the latency.
 
 On CPU ranks, compute(N) is the one-rank step stretched by the sharing of cores: N ranks of one
 thread on C cores free of other jobs take max(1, N / C) times as long (cpu_prediction), and
 since the ranks wait for each other every step, each step lasts as long as the slowest rank's:
-the median of the slowest of N one-rank steps (slowest_of, from the one-rank step times
-measured in the same run). Every collective of the step (collectives(): DDP's buckets, or
-PowerSGD's three all-reduces in its one bucket, and the loss) pays the latency of a small
-all-reduce over the same link, measured in the same run. A collective's cost beyond that is
-the wait for a peer that computes: on 2 shared cores a 4 KB all-reduce takes ~0.7 ms back to
-back but ~4 ms after 20 ms of compute on each rank, on loopback as on the limited link
-(benchmarks/lowrank_sync_probe.py wait), which is why PowerSGD, whose hook blocks per bucket,
-runs in one bucket (parallelize.ddp_bucket_cap_mb). The
-cores free of other jobs are measured with every step (benchmarks/lowrank_scaling.py): on a
-machine shared with other jobs a neighbour costs one rank nothing and 4 ranks a fifth of their
-share, which is what put full rank at 4 ranks 30% above this model in a run where they were
-not counted (README, "Where bytes are the bottleneck").
+the median of the slowest of N one-rank steps (slowest_of). A collective's cost beyond its
+latency is the wait for a peer that computes, which is why PowerSGD, whose hook blocks per
+bucket, runs in one bucket (parallelize.ddp_bucket_cap_mb); the README's "Where bytes are the
+bottleneck" has the measurements behind these choices.
 
 PowerSGD also computes: its hook makes POWERSGD_PASSES passes over the gradient memory each step
-(error feedback, copies, three thin matmuls), added to the step at every world size above one
-at the memory bandwidth of the device (HBM on GPUs; on the CPU measured by the benchmark).
-Left out, knowingly: the memory a 7B model's optimizer
-state needs (the chart's question is the link, not the fit); gradient accumulation (it divides
-the all-reduce's share of a step by the number of micro-batches, as more tokens per GPU do).
+(error feedback, copies, three thin matmuls), added to the step at every world size above one at
+the memory bandwidth of the device (HBM on GPUs; on the CPU measured by the benchmark). Left
+out, knowingly: the memory a 7B model's optimizer state needs (the chart's question is the link,
+not the fit); gradient accumulation (it divides the all-reduce's share of a step by the number
+of micro-batches, as more tokens per GPU do).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
+
+import numpy as np
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.hardware import cluster_for
-from workbench.plan.shapes import ModelShape, model_shape
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.communication import allreduce_s, collective_link, exposed_s
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.hardware import GpuSpec, cluster_for, hardware_for
+from workbench.plan.cost.shapes import ModelShape, model_shape
 
 MODES = ("off", "lowrank", "powersgd")
 # DDP's default bucket: gradients are all-reduced in buckets of 25 MB, one collective each
@@ -73,9 +76,8 @@ POWERSGD_MIN_COMPRESSION = 2.0
 TCP_PAYLOAD_EFF = 1448 / 1514
 # Per ring hop of one gloo collective over TCP between namespaces on one machine: a
 # send/recv round through the kernel and gloo's pair (tens of microseconds per hop on veth).
-# Only when not measured: benchmarks/lowrank_scaling.py measures a 4 KB all-reduce over its
-# link (0.8-3 ms at 2 ranks, 8-17 ms at 4 ranks on 2 shared cores: a waiting rank must be
-# scheduled at every hop) and cpu_prediction takes that instead.
+# Only when not measured: benchmarks/lowrank_scaling.py measures a small all-reduce over its
+# link (a waiting rank must be scheduled at every hop) and cpu_prediction takes that instead.
 GLOO_HOP_LATENCY_S = 100e-6
 # Share of a step the backward pass takes when it is not measured: backward GEMMs (dX and dW)
 # do twice the forward's FLOPs (Narayanan et al. 2021, the 6 = 2 + 4 FLOPs per parameter).
@@ -84,46 +86,50 @@ BACKWARD_SHARE = 2.0 / 3.0
 # thread each, every core busy with a rank: none. gloo's progress thread and the kernel's TCP
 # work take their CPU time from the compute, and PowerSGD's hook waits for its all-reduces
 # (lowrank/powersgd.py). Check: benchmarks/lowrank_scaling.py measures full rank at world
-# size 2 over 1 Gbit/s within ~7% of the one-rank step plus the whole all-reduce.
+# size 2 over 1 Gbit/s close to the one-rank step plus the whole all-reduce.
 GLOO_CPU_OVERLAP = 0.0
 
 
 @dataclass(frozen=True)
-class Link:
-    """What one rank sees of the network a data-parallel group spans."""
+class DpNetwork:
+    """The network a data-parallel group spans, as its all-reduce sees it. GPUs: the cost
+    model's own links (`gpu` and `coeff` given). CPU ranks: each behind its own rate-limited
+    link of `bytes_per_s`, gloo paying `hop_latency_s` per ring hop of every collective."""
 
     name: str
-    bytes_per_s: float  # achieved bytes/s of one rank's share, each direction, across nodes
-    hop_latency_s: float  # per ring hop of one collective
     overlap: float  # fraction of the all-reduce the stack can hide behind backward
-    ranks_per_node: int = 1  # ranks that share a node (and its faster intra-node link)
-    intra_bytes_per_s: float = 0.0  # achieved bytes/s inside a node (NVLink), 0: none
-    ring_latency: bool = True  # latency per ring hop (gloo); False: per tree level (NCCL)
+    gpu: GpuSpec | None = None
+    coeff: Coefficients | None = None
+    bytes_per_s: float = 0.0  # CPU ranks: achieved bytes/s of one rank's link, each direction
+    hop_latency_s: float = 0.0  # CPU ranks: per ring hop of one collective
+
+    def path(self, n_ranks: int) -> tuple[float, float]:
+        """(bytes/s each rank gets, latency s of one collective) over a group of n_ranks."""
+        if self.gpu is not None and self.coeff is not None:
+            bw, latency = collective_link(np.float64(n_ranks), 1.0, self.gpu, self.coeff)
+            return float(bw), float(latency)
+        return self.bytes_per_s, 2 * (n_ranks - 1) * self.hop_latency_s
 
 
-def gpu_link(name: str, nic_gbit_per_s: float, gpus_per_nic: int, gpu: str = "H100-SXM-80GB",
-             co: Coefficients | None = None) -> Link:
-    """GPUs of 8 per node on NVLink, and across nodes one NIC of nic_gbit_per_s per gpus_per_nic
-    GPUs: a ring through a node's GPUs crosses to the next node on all its NICs, so across nodes
-    each GPU gets the node's NIC bandwidth / 8 times the 8 GPUs' rails (the cost model's group_bw),
-    never more than NVLink."""
-    cl = cluster_for(gpu, 8)
-    co = co or coefficients(cl)
-    per_gpu = nic_gbit_per_s / 8 * 1e9 / gpus_per_nic * co.link_eff_inter
-    intra = cl.intra_node_gbps * 1e9 * co.link_eff_intra
-    return Link(name, min(per_gpu * cl.gpus_per_node, intra), co.coll_latency_inter_s,
-                co.dp_overlap, cl.gpus_per_node, intra, ring_latency=False)
+def gpu_network(name: str, nic_gbit_per_s: float, gpus_per_nic: int,
+                gpu: str = "H100-SXM-80GB", coeff: Coefficients | None = None) -> DpNetwork:
+    """Nodes of 8 GPUs of `gpu` on NVLink, and across nodes one NIC of nic_gbit_per_s per
+    gpus_per_nic GPUs: the cluster the cost model then prices the group on (a ring through a
+    node's GPUs crosses to the next node on all its NICs, never faster than NVLink)."""
+    cluster = replace(cluster_for(gpu, 8), inter_node_gbps=nic_gbit_per_s / 8 / gpus_per_nic)
+    co = coeff or coefficients(cluster)
+    return DpNetwork(name, co.dp_overlap, gpu=hardware_for(cluster), coeff=co)
 
 
-def cpu_link(rate_mbit: float, overlap: float, collective_s: float | None = None,
-             n_ranks: int = 2) -> Link:
+def cpu_network(rate_mbit: float, overlap: float, collective_s: float | None = None,
+                n_ranks: int = 2) -> DpNetwork:
     """CPU ranks each behind its own `tc tbf`-limited veth NIC (workbench.testing.netns).
     `collective_s`: a small all-reduce's time over that link among n_ranks, measured
     (netns.small_allreduce_s); spread over the ring's 2 (n - 1) hops. None: GLOO_HOP_LATENCY_S."""
     hop = GLOO_HOP_LATENCY_S if collective_s is None or n_ranks < 2 \
         else collective_s / (2 * (n_ranks - 1))
-    return Link(f"tc {rate_mbit:g} Mbit/s veth", rate_mbit * 1e6 / 8 * TCP_PAYLOAD_EFF,
-                hop, overlap)
+    return DpNetwork(f"tc {rate_mbit:g} Mbit/s veth", overlap,
+                     bytes_per_s=rate_mbit * 1e6 / 8 * TCP_PAYLOAD_EFF, hop_latency_s=hop)
 
 
 def _matrices(ms: ModelShape) -> list[tuple[int, int]]:
@@ -193,20 +199,6 @@ def slowest_of(samples: Sequence[float], n_ranks: int) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def allreduce_s(payload_bytes: float, n_ranks: int, link: Link, n_collectives: int = 1
-                ) -> float:
-    """Ring all-reduce of payload_bytes over n_ranks: bandwidth term + latency term."""
-    if n_ranks <= 1:
-        return 0.0
-    inside = link.intra_bytes_per_s > 0 and n_ranks <= link.ranks_per_node
-    bw = link.intra_bytes_per_s if inside else link.bytes_per_s
-    # NCCL switches to trees (and hierarchical rings) at scale: ~1 + log2 N latency steps, as
-    # the cost model's links.collective_link counts them; gloo's ring pays every hop.
-    hops = 2 * (n_ranks - 1) if link.ring_latency else 1 + math.log2(n_ranks)
-    return 2 * (n_ranks - 1) / n_ranks * payload_bytes / bw \
-        + n_collectives * hops * link.hop_latency_s
-
-
 @dataclass(frozen=True)
 class DpPoint:
     """One predicted world size: seconds of a step, its all-reduce, and the efficiency."""
@@ -220,17 +212,21 @@ class DpPoint:
     efficiency: float  # tokens/s at n / (n x tokens/s at 1)
 
 
-def predict(step1_s: float, backward_s: float, payload_bytes: float, n_ranks: int, link: Link,
-            n_collectives: int = 1, slowdown: float = 1.0, hook_s: float = 0.0) -> DpPoint:
+def predict(step1_s: float, backward_s: float, payload_bytes: float, n_ranks: int,
+            network: DpNetwork, n_collectives: int = 1, slowdown: float = 1.0,
+            hook_s: float = 0.0) -> DpPoint:
     """The step at n_ranks given the step at one rank (no data-parallel traffic) and its
     backward; `slowdown`: compute at n ranks over compute at one (CPU cores shared by ranks);
-    `hook_s`: compute the communication hook adds once there is more than one rank."""
+    `hook_s`: compute the communication hook adds once there is more than one rank. The
+    payload is all-reduced by the cost model's ring all-reduce over `network`, every one of the
+    step's `n_collectives` collectives paying its latency."""
     comp = (step1_s + (hook_s if n_ranks > 1 else 0.0)) * slowdown
     bwd = backward_s * slowdown
-    c = allreduce_s(payload_bytes, n_ranks, link, n_collectives)
-    exposed = max(c * (1 - link.overlap), c - bwd)
+    bw, latency = network.path(n_ranks)
+    total = float(allreduce_s(n_ranks, payload_bytes, 1.0, bw, n_collectives * latency))
+    exposed = float(exposed_s(total, bwd, network.overlap))
     step = comp + exposed
-    return DpPoint(n_ranks, payload_bytes, step, comp, c, exposed, step1_s / step)
+    return DpPoint(n_ranks, payload_bytes, step, comp, total, exposed, step1_s / step)
 
 
 def cpu_prediction(model: ModelConfig, mode: str, step1_s: float, n_ranks: int,
@@ -259,7 +255,7 @@ def cpu_prediction(model: ModelConfig, mode: str, step1_s: float, n_ranks: int,
     slowdown = max(1.0, n_ranks / cores) / max(1.0, 1.0 / at_1)
     slowest = slowest_of(step1_samples, n_ranks) if step1_samples else step1_s
     point = predict(slowest, BACKWARD_SHARE * slowest, payload, n_ranks,
-                    cpu_link(rate_mbit, GLOO_CPU_OVERLAP, collective_s, n_ranks),
+                    cpu_network(rate_mbit, GLOO_CPU_OVERLAP, collective_s, n_ranks),
                     collectives(payload, kind), slowdown, hook)
     return DpPoint(n_ranks, payload, point.step_s, point.compute_s, point.allreduce_s,
                    point.exposed_s, step1_s / point.step_s)
@@ -276,14 +272,12 @@ def lowrank_config(mode: str, rank_ratio: float = 0.25, powersgd_rank: int = 4
     return LowRankConfig(mode="off")
 
 
-def gpu_curve(model: ModelConfig, mode: str, link: Link, sizes: list[int],
+def gpu_curve(model: ModelConfig, mode: str, network: DpNetwork, sizes: list[int],
               tokens_per_gpu: int = 8192, gpu: str = "H100-SXM-80GB") -> list[DpPoint]:
     """Predicted DP efficiency of `model` on GPUs: the one-GPU step (bf16, fused attention,
     micro-batch = tokens_per_gpu / seq_len) from the cost model's compute terms, the all-reduce
-    from dp_payload_bytes over `link`. Memory is not checked (a 7B model needs its optimizer
+    of dp_payload_bytes over `network`. Memory is not checked (a 7B model needs its optimizer
     state sharded, which changes the collectives' kind, not the bytes)."""
-    from workbench.plan.costmodel import estimate
-
     lr = lowrank_config(mode)
     cl: ClusterConfig = cluster_for(gpu, 1)
     mb = max(1, tokens_per_gpu // model.seq_len)
@@ -295,5 +289,5 @@ def gpu_curve(model: ModelConfig, mode: str, link: Link, sizes: list[int],
     n_coll = collectives(payload, mode)
     hook = powersgd_hook_s(ms, cl.hbm_bw_bytes_per_s * coefficients(cl).hbm_eff) \
         if mode == "powersgd" else 0.0
-    return [predict(est.step_time_s, est.time_s["time_bwd_s"], payload, n, link, n_coll,
+    return [predict(est.step_time_s, est.time_s["time_bwd_s"], payload, n, network, n_coll,
                     hook_s=hook) for n in sizes]

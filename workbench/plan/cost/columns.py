@@ -14,22 +14,20 @@ Columns (all float64, one value per layout):
     sched  a Schedule code (-1: a name that is none of them)
     v      virtual pipeline stages per rank
     lf, ll, lm  layers on the first, the last and the fullest middle global stage (-1: the even
-           split; workbench.plan.stages)
+           split; workbench.plan.cost.stages says how a rank's stages are timed)
     lsum   layers the per-stage list holds (-1: the even split, or a list of the wrong shape)
 
-Imports only numpy (and workbench.plan.stages, which does too), so `workbench.layout` (imported
-by every rank) can use it without pulling in the planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from enum import IntEnum
 from typing import Any
 
 import numpy as np
 
-from workbench.plan.stages import split_columns, split_from_ends
+from workbench.layout import RECOMPUTE, SCHEDULES, format_key, format_split
 
 Columns = dict[str, np.ndarray]
 
@@ -51,9 +49,7 @@ class Schedule(IntEnum):
     INTERLEAVED_1F1B = 2
 
 
-# The config's spellings in code order (Layout.recompute, Layout.pp_schedule hold these).
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full", "selective_op")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+# The codes are positions in the config's spellings (workbench.layout.RECOMPUTE, SCHEDULES).
 assert len(RECOMPUTE) == len(Recompute) and len(SCHEDULES) == len(Schedule)
 
 
@@ -78,6 +74,39 @@ def columns(*, dpr: Any, dps: Any, tp: Any, pp: Any, cp: Any, sp: Any, mb: Any, 
     return {k: np.ascontiguousarray(x) for k, x in zip(given, cols)}
 
 
+def split_from_ends(n_layers: int, n_stages: int, first: int, last: int) -> tuple[int, ...]:
+    """The list with `first` and `last` layers on the end stages and the rest spread over the
+    middle ones, the later middle stages taking the remainder (they keep fewer micro-batches in
+    flight under 1F1B)."""
+    if n_stages == 1:
+        return (n_layers,)
+    if n_stages == 2:
+        return (first, last)
+    mid = n_stages - 2
+    base, extra = divmod(n_layers - first - last, mid)
+    return (first, *([base] * (mid - extra)), *([base + 1] * extra), last)
+
+def split_problem(layers: Sequence[int], n_stages: int, n_layers: int) -> str:
+    """Why a per-stage list cannot split this model (empty: it can)."""
+    if len(layers) != n_stages:
+        return f"has {len(layers)} entries; needs pp*virtual_stages={n_stages}"
+    if any(n < 0 for n in layers) or any(n < 1 for n in layers[1:-1]):
+        return "needs >= 0 layers on the first and last stage and >= 1 on every other"
+    if sum(layers) != n_layers:
+        return f"sums to {sum(layers)}; needs model.n_layers={n_layers}"
+    return ""
+
+def split_columns(layers: Sequence[int], n_stages: int) -> tuple[float, float, float, float]:
+    """(lf, ll, lm, lsum) of one layout's list: -1s for the even split; lsum -1 when the list's
+    shape is wrong for n_stages (a rule then names the problem)."""
+    if not layers:
+        return -1.0, -1.0, -1.0, -1.0
+    if split_problem(layers, n_stages, sum(layers)):
+        return 0.0, 0.0, 0.0, -1.0
+    mid = layers[1:-1]
+    return float(layers[0]), float(layers[-1]), float(max(mid) if mid else 0), float(sum(layers))
+
+
 def layout_columns(layouts: Iterable[Any]) -> Columns:
     """Columns of `Layout`s (anything with Layout's fields), in the order given."""
     rows = [(x.dp_replicate, x.dp_shard, x.tp, x.pp, x.cp, x.sequence_parallel, x.micro_batch,
@@ -100,3 +129,26 @@ def layout_fields(a: Columns, i: int) -> dict[str, Any]:
             "recompute": RECOMPUTE[Recompute(int(a["rc"][i]))],
             "pp_schedule": SCHEDULES[Schedule(int(a["sched"][i]))],
             "virtual_stages": int(a["v"][i]), "stage_layers": split}
+
+
+def row_keys(a: Columns, rows: Sequence[int]) -> list[str]:
+    """The keys of rows of planner columns: the same strings as Layout(**layout_fields(a, i))
+    .key(), without building a Layout per row (a ranking's CSV keys every row of the space)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    cols = {k: a[k][rows].astype(np.int64).tolist()
+            for k in ("dpr", "dps", "tp", "pp", "cp", "sp", "mb", "ga", "rc", "sched", "v",
+                      "lf", "ll", "lsum")}
+    splits: dict[tuple[int, int, int, int], str] = {}
+    out = []
+    for j in range(len(rows)):
+        pp, v, lf = cols["pp"][j], cols["v"][j], cols["lf"][j]
+        split = ""
+        if lf >= 0:
+            ends = (cols["lsum"][j], pp * v, lf, cols["ll"][j])
+            if ends not in splits:
+                splits[ends] = format_split(split_from_ends(*ends))
+            split = splits[ends]
+        out.append(format_key(cols["dpr"][j], cols["dps"][j], cols["tp"][j], pp, cols["cp"][j],
+                              bool(cols["sp"][j]), cols["mb"][j], cols["ga"][j],
+                              RECOMPUTE[cols["rc"][j]], SCHEDULES[cols["sched"][j]], v, split))
+    return out

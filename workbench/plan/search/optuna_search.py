@@ -32,18 +32,12 @@ import optuna
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.layout import Layout
-from workbench.plan.columns import SCHEDULES, Recompute, Schedule, code, columns
-from workbench.plan.rules import COST_RULES, first_broken, select
-from workbench.plan.search import (
-    MEMORY_REASONS,
-    MICRO_BATCHES,
-    REASONS,
-    SCHED_V,
-    divisors,
-    score,
-    with_splits,
-)
-from workbench.plan.software import Software
+from workbench.plan.cost.columns import SCHEDULES, Recompute, Schedule, code, columns
+from workbench.plan.cost.software import Software
+from workbench.plan.search.exhaustive import MEMORY_REASONS, REASONS, score
+from workbench.plan.search.rules import COST_RULES, first_broken, select
+from workbench.plan.search.space import MICRO_BATCHES, SCHED_V, divisors
+from workbench.plan.search.splits import with_splits
 
 # the rules a micro-batch is repaired against (the batch splits into whole micro-batches, and
 # enough of them for the pipeline)
@@ -154,7 +148,7 @@ def optuna_search(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
                   local_share: float = 0.5, margin_bytes: float = 0.0,
                   software: Software | None = None) -> SearchResult:
     """Seeded TPE search (then a local search) maximizing predicted tokens/s; returns the best
-    feasible layout (peak + `margin_bytes` within HBM, as in search.score). Every trial,
+    feasible layout (peak + `margin_bytes` within HBM, as in exhaustive.score). Every trial,
     feasible or not, counts against `n_trials`."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space, gb = _space(model, world_size), int(train.global_batch)

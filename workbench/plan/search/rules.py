@@ -1,11 +1,11 @@
 """When a layout can run a model at a world size: every rule written once, over layout columns.
 
-`workbench.layout.validate` checks one layout with these rules (a one-row column set) and raises
-the ConfigError of the first one it breaks; the exhaustive search rejects whole columns of
+`validate_layout` checks one layout with these rules (a one-row column set) and raises the
+ConfigError of the first one it breaks; the exhaustive search rejects whole columns of
 layouts with them; the Optuna search draws its degrees from the values they allow. So the run
 entry, `layout=auto`, the ranking and Optuna cannot disagree about what is valid.
 
-A rule is a numpy test over the columns of workbench.plan.columns (True where a layout breaks
+A rule is a numpy test over the columns of workbench.plan.cost.columns (True where a layout breaks
 it), the setting it blames, the one-line message a user gets, and the shorter `name` the planner
 counts rejections under. Order matters: a layout is blamed on the first rule it breaks. Engine
 rules are limits of this repository's engine only (other stacks run such layouts, so the cost
@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from workbench.config import ModelConfig
-from workbench.plan.columns import RECOMPUTE, SCHEDULES, Columns, Schedule
-from workbench.plan.stages import split_problem
+from workbench.errors import ConfigError
+from workbench.layout import RECOMPUTE, SCHEDULES, Layout
+from workbench.plan.cost.columns import Columns, Schedule, layout_columns, split_problem
 
 Test = Callable[[ModelConfig, Any, Columns], Any]
 
@@ -149,3 +150,21 @@ def first_broken(model: ModelConfig, world: Any, a: Columns,
 def select(names: Sequence[str], rules: Sequence[Rule] = COST_RULES) -> tuple[Rule, ...]:
     """The rules with these names, in rule order."""
     return tuple(r for r in rules if r.name in names)
+
+
+def validate_layout(layout: Layout, model: ModelConfig, world_size: int) -> None:
+    """Reject a layout that cannot run this model at this world size, before any process
+    starts; the error names the rule (the first of RULES that it breaks: the rules the planner
+    ranks by, so a layout the run refuses is one the ranking rejects)."""
+    first = int(first_broken(model, world_size, layout_columns([layout]))[0])
+    if first:
+        rule = RULES[first - 1]
+        raise ConfigError(rule.key, rule.value(layout), rule.message(model, world_size, layout))
+
+
+def engine_only(e: ConfigError) -> bool:
+    """A validate_layout rule that limits this repository's engine, not the cost of a layout:
+    published stacks allow uneven pipeline stages (torchtitan, Megatron), tied embeddings across
+    stages and SP with learned positions (Megatron)."""
+    return (e.key == "layout.pp" and "n_layers" in e.valid) or "tie_embeddings" in e.valid \
+        or "model.family" in e.valid

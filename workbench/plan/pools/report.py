@@ -11,8 +11,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from workbench.plan.hardware import GIB
-from workbench.plan.hetero_search import HeteroRanking, rank_pools, speedup, world_of
+from workbench.plan.cost.hardware import GIB
+from workbench.plan.pools.search import HeteroRanking, rank_pools, speedup, world_of
 
 
 def write_pool_ranking(path: Path, r: HeteroRanking) -> None:

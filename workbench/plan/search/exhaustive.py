@@ -1,16 +1,12 @@
-"""Layout search: score every valid layout at once with the vectorized cost model, or ask Optuna.
+"""The exhaustive ranking: score every layout of the space at once with the vectorized cost model.
 
-The exhaustive path builds the whole space (dp_replicate x dp_shard x tp x pp x cp x virtual
-stages x micro-batch x recompute x sequence parallel, each pipeline x a few stage splits of
-workbench.plan.stages) as numpy columns and scores it in one call
-to terms.evaluate, so even 16k-GPU spaces rank in seconds on one core. Every rejected layout keeps
-its first failing rule, so the plan can say why the space shrank. The Optuna path samples the same
-space with ask/tell for spaces too large to enumerate and for measured search.
+The whole space (workbench.plan.search.space) is scored in one call to the cost model's
+`evaluate`, so even 16k-GPU spaces rank in seconds on one core. Every rejected layout keeps its
+first failing rule, so the plan can say why the space shrank; `best_layout` is `layout=auto`.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,18 +14,16 @@ import numpy as np
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
 from workbench.errors import ConfigError
 from workbench.layout import Layout
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.columns import Columns, Recompute, Schedule, columns, layout_fields
-from workbench.plan.costmodel import flops_per_step, hardware_for, software_for
-from workbench.plan.rules import COST_RULES, RULES, first_broken, select
-from workbench.plan.shapes import model_shape
-from workbench.plan.stages import candidate_ends, ends_columns
-from workbench.plan.terms import Software, evaluate
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.columns import Columns, layout_fields
+from workbench.plan.cost.estimate import evaluate, flops_per_step
+from workbench.plan.cost.hardware import hardware_for
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import software_for
+from workbench.plan.search.rules import COST_RULES, RULES, first_broken
+from workbench.plan.search.space import enumerate_space
 
-MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-# (schedule, virtual stages) pairs the space holds for pp > 1
-SCHED_V = ((Schedule.GPIPE, 1), (Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED_1F1B, 2),
-           (Schedule.INTERLEAVED_1F1B, 3), (Schedule.INTERLEAVED_1F1B, 4))
 NOT_FIT = "does not fit in GPU memory"
 UNDER_MARGIN = "fits, but leaves less than the memory margin free"
 MEMORY_REASONS = (NOT_FIT, UNDER_MARGIN)
@@ -37,64 +31,6 @@ MEMORY_REASONS = (NOT_FIT, UNDER_MARGIN)
 REASONS: tuple[str, ...] = ("feasible", *dict.fromkeys(r.name for r in COST_RULES),
                             *MEMORY_REASONS)
 _REASON_OF_RULE = np.array([0] + [REASONS.index(r.name) for r in COST_RULES], dtype=np.int8)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _degree_tuples(world: int) -> np.ndarray:
-    """Every (dpr, dps, tp, pp, cp) with product == world, as an int array (k, 5)."""
-    rows = []
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            for cp in divisors(world // (tp * pp)):
-                rest = world // (tp * pp * cp)
-                for dps in divisors(rest):
-                    rows.append((rest // dps, dps, tp, pp, cp))
-    return np.array(rows, dtype=np.float64)
-
-
-def enumerate_space(world: int, model: ModelConfig | None = None) -> Columns:
-    """The raw layout space as columns (before any validity rule): every degree split crossed
-    with micro-batch, recompute, sequence parallel and schedule; left out are sequence parallel
-    without tp (its rule could only reject them) and schedules without a pipeline (pp = 1 runs
-    1F1B with one stage). Given the model, every pipeline is crossed with the stage splits of
-    workbench.plan.stages.candidates (the even split alone otherwise)."""
-    deg = _degree_tuples(world)
-    combos = np.array([(mb, rc, sp, s, v) for mb, rc, sp, (s, v) in itertools.product(
-        MICRO_BATCHES, Recompute, (0, 1), SCHED_V)], dtype=np.float64)
-    k, c = len(deg), len(combos)
-    d = [np.repeat(deg[:, j], c) for j in range(5)]
-    x = [np.tile(combos[:, j], k) for j in range(5)]
-    a = columns(dpr=d[0], dps=d[1], tp=d[2], pp=d[3], cp=d[4], mb=x[0], rc=x[1], sp=x[2],
-                sched=x[3], v=x[4])
-    (sp_rule,) = select(["sequence parallel needs tp > 1"])
-    keep = ~sp_rule.breaks(None, world, a) & ~((a["pp"] == 1) & ~(
-        (a["sched"] == Schedule.ONE_F_ONE_B) & (a["v"] == 1)))
-    a = {name: col[keep] for name, col in a.items()}
-    return a if model is None else with_splits(a, model)
-
-
-def with_splits(a: Columns, model: ModelConfig) -> Columns:
-    """Each layout once per candidate split of its pp * v global stages (lf/ll/lm/lsum)."""
-    ms = model_shape(model)
-    head_layers = ms.vocab * ms.hidden / (ms.mean_layer_matmul_params()
-                                         + 2.0 * ms.seq_len * ms.q_width)
-    n_stages = (a["pp"] * a["v"]).astype(np.int64)
-    uniq, inv = np.unique(n_stages, return_inverse=True)
-    cands = [candidate_ends(model.n_layers, int(s), head_layers) for s in uniq]
-    table = np.full((len(uniq), max(len(cs) for cs in cands), 4), -1.0)
-    for i, (s, cs) in enumerate(zip(uniq, cands)):
-        for j, (first, last) in enumerate(cs):
-            table[i, j] = ends_columns(model.n_layers, int(s), first, last)
-    counts = np.array([len(cs) for cs in cands])[inv]
-    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    out = {name: np.repeat(col, counts) for name, col in a.items()}
-    at = np.repeat(inv, counts)
-    for j, name in enumerate(("lf", "ll", "lm", "lsum")):
-        out[name] = np.ascontiguousarray(table[at, within, j])
-    return out
 
 
 def reasons(model: ModelConfig, world: int, a: Columns) -> np.ndarray:
@@ -146,7 +82,7 @@ def score(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     sub = {k: v[ok] for k, v in arrays.items()}
     ms, hw = model_shape(model, lowrank), hardware_for(cluster)
     sw = software or software_for(train, cluster)
-    t = evaluate(ms, hw, coeff or coefficients(cluster), sw, sub, float(gb))
+    t = evaluate(ms, hw, coeff or coefficients(cluster), sw, sub)
     full = {k: np.full(n, np.nan) for k in ("tok", "mfu", "step", "mem")}
     model_f, _ = flops_per_step(ms, gb, sub, sw)
     peak = hw.peak_fp32_flops if sw.precision == "fp32" else hw.peak_bf16_flops

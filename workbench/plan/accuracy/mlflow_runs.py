@@ -9,19 +9,24 @@ left out when there are others: it carries compilation and allocator warm-up).
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import asdict
+
+import yaml
 
 from workbench.compose import from_recorded
 from workbench.config import ClusterConfig, RunConfig
 from workbench.errors import ConfigError, InputError
 from workbench.layout import Layout
-from workbench.plan.costmodel import software_for
-from workbench.plan.hardware import match_gpu
-from workbench.plan.validate import Case
-from workbench.track.store import client as mlflow_client
+from workbench.plan.accuracy.published import Case
+from workbench.plan.cost.hardware import match_gpu
+from workbench.plan.cost.stacks import software_for
+from workbench.track.store import client as store_client
 
 PRED_KEY, MEASURED_KEY = "pred/step_time_s", "step_time_s"
+
+
 SECTIONS = ("model", "train", "cluster")  # the params a case is built from
 
 
@@ -40,8 +45,6 @@ def _recorded(params: dict[str, str], cluster: ClusterConfig, source: str) -> Ru
 
 def _container(value: str):
     """MLflow keeps a param as its str(); a dict or list field (cluster.coeff) is read back."""
-    import yaml
-
     return yaml.safe_load(value) if value.startswith(("{", "[")) else value
 
 
@@ -65,11 +68,10 @@ def _accelerator(name: str) -> str:
 def load_mlflow_cases(uri: str, experiment: str | None, cluster: ClusterConfig
                       ) -> tuple[list[tuple[Case, str, float]], list[str]]:
     """(cases as (Case, 'seconds_per_iter', measured s), reasons runs were skipped)."""
-    import logging
-
     try:
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # keep errors to one line
-        client = mlflow_client(uri, create=False)
+
+        client = store_client(uri, create=False)
         if experiment:
             exp = client.get_experiment_by_name(experiment)
             if exp is None:

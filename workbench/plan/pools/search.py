@@ -18,9 +18,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from workbench.config import ClusterConfig, LowRankConfig, ModelConfig, TrainConfig
-from workbench.plan.columns import RECOMPUTE, Recompute, Schedule, columns
-from workbench.plan.costmodel import software_for
-from workbench.plan.hetero import (
+from workbench.layout import format_split
+from workbench.plan.cost.columns import RECOMPUTE, Recompute, Schedule, columns
+from workbench.plan.cost.shapes import model_shape
+from workbench.plan.cost.software import Software
+from workbench.plan.cost.stacks import software_for
+from workbench.plan.pools.cluster import Pool, pool_links, pools_of
+from workbench.plan.pools.pipeline import (
     PoolCosts,
     Stages,
     balance,
@@ -29,12 +33,9 @@ from workbench.plan.hetero import (
     pool_costs,
     step,
 )
-from workbench.plan.pools import Pool, links, pools_of
-from workbench.plan.rules import COST_RULES, first_broken
-from workbench.plan.search import MICRO_BATCHES, NOT_FIT, divisors
-from workbench.plan.shapes import model_shape
-from workbench.plan.stages import format_split
-from workbench.plan.terms import Software
+from workbench.plan.search.exhaustive import NOT_FIT
+from workbench.plan.search.rules import COST_RULES, first_broken
+from workbench.plan.search.space import MICRO_BATCHES, divisors
 
 
 def arrangements(n_pools: int) -> list[tuple[int, ...]]:
@@ -146,13 +147,13 @@ def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     sw = software or software_for(train, cluster)
     base = base_space(pools, gb)
     costs: list[PoolCosts] = [replace(c, hbm_bytes=c.hbm_bytes - margin_bytes)
-                              for c in (pool_costs(ms, p, sw, base, float(gb)) for p in pools)]
+                              for c in (pool_costs(ms, p, sw, base) for p in pools)]
     rows, seqs = _layouts(pools, base)
     s_max = max(len(s) for s in seqs)
     stage_pool = np.full((len(rows), s_max), -1, dtype=np.int64)
     for i, seq in enumerate(seqs):
         stage_pool[i, :len(seq)] = seq
-    link = links(cluster, pools)
+    link = pool_links(cluster, pools)
     cross = np.full((len(rows), max(s_max - 1, 0)), np.nan)
     for j in range(s_max - 1):
         for pa, pb in itertools.permutations(range(len(pools)), 2):
@@ -217,9 +218,9 @@ def plan_pipeline(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
     base = columns(dpr=np.array([1.0]), dps=1, tp=1, pp=1, cp=1, sp=0, mb=float(micro_batch),
                    rc=float(Recompute.NONE), sched=Schedule.ONE_F_ONE_B, v=1)
     base["ga"] = np.array([gb / micro_batch])
-    costs = [pool_costs(ms, p, sw, base, float(gb)) for p in pools]
+    costs = [pool_costs(ms, p, sw, base) for p in pools]
     idx = [names.index(s) for s in stage_pools]
-    link = links(cluster, pools)
+    link = pool_links(cluster, pools)
     row = np.zeros(1, dtype=np.int64)
     cross = np.array([[cross_time(costs, pools, link, a, b, row)[0]
                        for a, b in zip(idx, idx[1:])]]).reshape(1, -1)

@@ -155,7 +155,7 @@ class Software:
     loss_hbm_bytes_per_logit: float = 0.0
     # Without flash attention, the attention core as eager PyTorch ops with the softmax in this
     # many bytes (2 or 4: Aleph Alpha scaling's `kernel: torch`, `softmax_in_fp32`), counted op
-    # by op (memory_terms.EAGER_SOFTMAX_SCORE_BYTES); 0: the generic count (elementwise traffic
+    # by op (activations.EAGER_SOFTMAX_SCORE_BYTES); 0: the generic count (elementwise traffic
     # over the stored score tensors, as for a fused softmax kernel).
     eager_softmax_bytes: float = 0.0
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from workbench.config import ClusterConfig
 from workbench.errors import ConfigError
-from workbench.plan.coefficients import Coefficients, coefficients
-from workbench.plan.hardware import GpuSpec, hardware_for_pool, spec_of_cluster
+from workbench.plan.cost.coefficients import Coefficients, coefficients
+from workbench.plan.cost.hardware import GpuSpec, hardware_for, hardware_for_pool
 
 # per-device figures a pool may give explicitly (0: the datasheet's, from its GPU name)
 FIGURES = ("peak_bf16_flops", "peak_fp32_flops", "hbm_bytes", "hbm_bw_bytes_per_s",
@@ -38,7 +38,7 @@ class Pool:
 
 
 @dataclass(frozen=True)
-class Link:
+class PoolLink:
     """What crossing from one pool to another costs one device: bytes/s one way, latency."""
 
     bytes_per_s: float
@@ -65,7 +65,7 @@ def pools_of(cluster: Any) -> list[Pool]:
     own fields (ConfigError naming the key for a bad pool or link)."""
     pools_cfg = list(getattr(cluster, "pools", None) or [])
     if not pools_cfg:
-        spec = spec_of_cluster(cluster)[0]
+        spec = hardware_for(cluster)
         return [Pool(str(cluster.name), spec, int(cluster.nodes), coefficients(cluster))]
     pools = [_pool(cluster, i, p) for i, p in enumerate(pools_cfg)]
     names = [p.name for p in pools]
@@ -73,20 +73,20 @@ def pools_of(cluster: Any) -> list[Pool]:
     if dup is not None:
         raise ConfigError("cluster.pools", names, f"pool names must be unique and non-empty "
                                                   f"({dup!r})")
-    links(cluster, pools)  # validated here, so a bad link fails before any search
+    pool_links(cluster, pools)  # validated here, so a bad link fails before any search
     return pools
 
 
-def links(cluster: Any, pools: list[Pool]) -> dict[tuple[str, str], Link]:
-    """Every ordered pair of pools -> its Link: the cluster's `links` entry, else the slower of
+def pool_links(cluster: Any, pools: list[Pool]) -> dict[tuple[str, str], PoolLink]:
+    """Every ordered pair of pools -> its PoolLink: the cluster's `links` entry, else the slower of
     the two pools' NICs (pools on one fabric) with the slower one's collective latency."""
     names = [p.name for p in pools]
-    out: dict[tuple[str, str], Link] = {}
+    out: dict[tuple[str, str], PoolLink] = {}
     for a in pools:
         for b in pools:
             if a.name != b.name:
                 lat = max(a.coeff.coll_latency_inter_s, b.coeff.coll_latency_inter_s)
-                out[(a.name, b.name)] = Link(
+                out[(a.name, b.name)] = PoolLink(
                     1e9 * min(a.spec.inter_node_gbps, b.spec.inter_node_gbps), lat)
     for i, ln in enumerate(list(getattr(cluster, "links", None) or [])):
         pair = [str(x) for x in ln.pools]
@@ -96,12 +96,12 @@ def links(cluster: Any, pools: list[Pool]) -> dict[tuple[str, str], Link]:
         if not float(ln.gbps) > 0 or not float(ln.latency_s) >= 0:
             raise ConfigError(f"cluster.links[{i}]", f"gbps={ln.gbps} latency_s={ln.latency_s}",
                               "gbps must be > 0 and latency_s >= 0")
-        link = Link(1e9 * float(ln.gbps), float(ln.latency_s))
+        link = PoolLink(1e9 * float(ln.gbps), float(ln.latency_s))
         out[(pair[0], pair[1])] = out[(pair[1], pair[0])] = link
     return out
 
 
-def spanning(pools: list[Pool], link: Link | None) -> Pool:
+def spanning(pools: list[Pool], link: PoolLink | None) -> Pool:
     """One stage spread over several pools, as some planners place them (AMP's DeepSpeed runs):
     its replicas move in lock step, so it runs at the slowest pool's pace, fits the smallest
     memory, and its collectives cross `link`. Only for scoring such layouts: this planner never
