@@ -1,16 +1,16 @@
 """A cluster as pools: nodes of one GPU type on one fabric, and the links between pools.
 
 Mixed clusters (an H100 partition beside an A100 one, V100 nodes beside a T4 node) are what
-small labs and academic Slurm sites run; the planner places whole pipeline stages on pools
-(workbench.plan.hetero), so all it needs per pool is the figures the cost model already reads
-(a GpuSpec and its coefficients) and, per pair of pools, what a pipeline cut between them pays.
-A cluster without `pools` is one pool made of its own fields, so every homogeneous plan is
-unchanged.
+small labs and academic Slurm sites run; the planner places pipeline stages' replicas on pools
+(workbench.plan.pools.search), so all it needs per pool is the figures the cost model already
+reads (a GpuSpec and its coefficients: a datasheet's, or the pool's own for a GPU no datasheet
+matches) and, per pair of pools, what a transfer between them pays. A cluster without `pools`
+is one pool made of its own fields, so every homogeneous plan is unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from workbench.config import ClusterConfig
@@ -129,22 +129,11 @@ def pool_links(cluster: Any, pools: list[Pool]) -> dict[tuple[str, str], PoolLin
     return out
 
 
-def spanning(pools: list[Pool], link: PoolLink | None) -> Pool:
-    """One stage spread over several pools, as some planners place them (AMP's DeepSpeed runs):
-    its replicas move in lock step, so it runs at the slowest pool's pace, fits the smallest
-    memory, and its collectives cross `link`. Only for scoring such layouts: this planner never
-    builds them."""
-    if len(pools) == 1:
-        return pools[0]
-    s = [p.spec for p in pools]
-    nic = min(x.inter_node_gbps for x in s)
-    if link is not None:
-        nic = min(nic, link.bytes_per_s / 1e9)
-    spec = replace(s[0], name="+".join(p.name for p in pools),
-                   peak_bf16_flops=min(x.peak_bf16_flops for x in s),
-                   peak_fp32_flops=min(x.peak_fp32_flops for x in s),
-                   hbm_bytes=min(x.hbm_bytes for x in s),
-                   hbm_bw_bytes_per_s=min(x.hbm_bw_bytes_per_s for x in s),
-                   intra_node_gbps=min(x.intra_node_gbps for x in s), inter_node_gbps=nic)
-    slow = min(pools, key=lambda p: p.spec.peak_bf16_flops)
-    return Pool(spec.name, spec, sum(p.nodes for p in pools), slow.coeff)
+
+def check_fp8(pools: list[Pool]) -> None:
+    """FP8 linears need FP8 on every pool's GPU (ConfigError naming one without)."""
+    none = [p for p in pools if not p.spec.peak_fp8_flops > 0]
+    if none:
+        raise ConfigError("--fp8", True, f"pools whose GPUs have FP8; pool {none[0].name} "
+                                         f"({none[0].spec.name}) has none (its peak_fp8_flops "
+                                         "is 0)")
