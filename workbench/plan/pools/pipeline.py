@@ -132,7 +132,9 @@ def build(costs: list[PoolCosts], m: Members, base_idx: np.ndarray, ga: np.ndarr
 
     def take(name: str, within: str = "") -> np.ndarray:
         rows = [getattr(getattr(c, within), name) if within else getattr(c, name) for c in costs]
-        return np.stack([np.broadcast_to(x, costs[0].tp.shape) for x in rows])[pi, bi]
+        if np.ndim(rows[0]) == 0:  # a figure of the pool, not of the layout
+            return np.array(rows, dtype=float)[pi]
+        return np.stack(rows)[pi, bi]
 
     n_st = on.sum(axis=1)
     pos = np.arange(s)[None, :]

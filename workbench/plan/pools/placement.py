@@ -172,14 +172,19 @@ class Members:
         n = len(stages)
         s = max(len(x) for x in stages)
         k = max(len(m) for x in stages for m in x)
-        pool = np.full((n, s, k), -1, dtype=np.int64)
-        lo, hi = np.zeros((n, s, k)), np.zeros((n, s, k))
+        at: list[tuple[int, int, int]] = []
+        rows: list[tuple[int, int, int]] = []  # (pool, lo, hi), filled at once below
         for i, x in enumerate(stages):
             for j, members in enumerate(x):
                 start = 0
                 for m, (p, count) in enumerate(members):
-                    pool[i, j, m], lo[i, j, m], hi[i, j, m] = p, start, start + count
+                    at.append((i, j, m))
+                    rows.append((p, start, start + count))
                     start += count
+        pool = np.full((n, s, k), -1, dtype=np.int64)
+        lo, hi = np.zeros((n, s, k)), np.zeros((n, s, k))
+        where, vals = tuple(np.array(at).T), np.array(rows).T
+        pool[where], lo[where], hi[where] = vals
         return cls(pool, lo, hi)
 
     @classmethod

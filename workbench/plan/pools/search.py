@@ -173,11 +173,11 @@ class HeteroRanking(Priced):
         return out
 
 
-def _layouts(pools: list[Pool], base: dict[str, np.ndarray]
-             ) -> tuple[np.ndarray, list[list[tuple[tuple[int, int], ...]]]]:
+def _layouts(pools: list[Pool], base: dict[str, np.ndarray]) -> tuple[np.ndarray, Members]:
     """(base row, stages) of every layout: a base row on an arrangement whose pools it fills
-    whole (tp inside their nodes, their tp-GPU replicas a whole number of dp-replica stages)."""
-    rows, seqs = [], []
+    whole (tp inside their nodes, their tp-GPU replicas a whole number of dp-replica stages).
+    The stages depend on the arrangement, tp and dp only, so each is filled once."""
+    rows, which, shapes = [], [], []
     tp, dp = base["tp"].astype(int), base["dpr"].astype(int)
     for arr in arrangements(len(pools)):
         fits = np.ones(len(tp), dtype=bool)
@@ -185,10 +185,15 @@ def _layouts(pools: list[Pool], base: dict[str, np.ndarray]
         for p in arr:
             fits &= pools[p].spec.gpus_per_node % tp == 0
             slots += pools[p].gpus // tp
-        for b in np.flatnonzero(fits & (slots % dp == 0)):
-            rows.append(b)
-            seqs.append(fill([(p, pools[p].gpus // tp[b]) for p in arr], dp[b]))
-    return np.array(rows, dtype=np.int64), seqs
+        ok = np.flatnonzero(fits & (slots % dp == 0))
+        for t, d in sorted(set(zip(tp[ok].tolist(), dp[ok].tolist()))):
+            sel = ok[(tp[ok] == t) & (dp[ok] == d)]
+            rows.append(sel)
+            which.append(np.full(len(sel), len(shapes)))
+            shapes.append(fill([(p, pools[p].gpus // t) for p in arr], d))
+    m = Members.of(shapes)
+    at = np.concatenate(which)
+    return np.concatenate(rows).astype(np.int64), Members(m.pool[at], m.lo[at], m.hi[at])
 
 
 def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
@@ -200,10 +205,10 @@ def rank_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig,
     pools = pools_of(cluster)
     gb = int(train.global_batch)
     base = base_space(pools, gb)
-    rows, seqs = _layouts(pools, base)
+    rows, members = _layouts(pools, base)
     links = LinkArrays.of(pools, pool_links(cluster, pools))
     p = price(model_shape(model, lowrank), pools, links, software or software_for(train, cluster),
-              base, rows, Members.of(seqs), margin_bytes=margin_bytes)
+              base, rows, members, margin_bytes=margin_bytes)
     reason = reasons(model, p)
     ok = np.array([not r for r in reason])
     step_s = p.out["step_time_s"]
