@@ -146,6 +146,9 @@ def _ask(r: HeteroRanking, model: ModelConfig, train: TrainConfig, key: str, sta
         if stages:
             where = parse_placement(stages, names, lay.dp_replicate)
         elif stage_pools:
+            if any(str(p) not in names for p in stage_pools):
+                raise ConfigError("launcher.stage_pools", list(stage_pools),
+                                  f"pools of the cluster: {', '.join(names)}")
             where = Placement(tuple(StagePlace(((str(p), lay.dp_replicate),))
                                     for p in stage_pools))
         else:
@@ -167,10 +170,13 @@ def _ask(r: HeteroRanking, model: ModelConfig, train: TrainConfig, key: str, sta
         raise ConfigError("--explain", key, f"a layout key as the pool ranking prints it (e.g. "
                                             f"{example}), one as runs record it, or `layout`")
     tp, cp, dpr, dps, mb = (int(g or 1) for g in m.groups()[:5])
-    rc = RECOMPUTE.index((m.group(7) or "none").replace("-", "_"))
-    if min(tp, cp, dpr, dps, mb) < 1 or train.global_batch % (dpr * dps * mb):
-        raise ConfigError("--explain", key, f"degrees >= 1 and a layout of train.global_batch="
-                                            f"{train.global_batch} (a multiple of dp x mb)")
+    recompute = (m.group(7) or "none").replace("-", "_")
+    if min(tp, cp, dpr, dps, mb) < 1 or train.global_batch % (dpr * dps * mb) or \
+            recompute not in RECOMPUTE:
+        raise ConfigError("--explain", key, f"degrees >= 1, recompute one of {RECOMPUTE} and a "
+                                            f"layout of train.global_batch={train.global_batch} "
+                                            "(a multiple of dp x mb)")
+    rc = RECOMPUTE.index(recompute)
     base = columns(dpr=dpr, dps=dps, tp=tp, pp=1, cp=cp, sp=int(bool(m.group(6))), mb=mb, rc=rc,
                    sched=Schedule.ONE_F_ONE_B, v=1, ga=train.global_batch / (dpr * dps * mb))
     if stages:
@@ -201,7 +207,8 @@ def explain_pools(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig
     ask = _ask(r, model, train, key, stages, layout_cfg, stage_pools)
     n_st = len(ask.placement.stages)
     if ask.layers is not None and split_problem(ask.layers, n_st, model.n_layers):
-        raise ConfigError("--stages", stages or list(ask.layers),
+        raise ConfigError("--stages" if ask.split_from == "--stages" else "layout.stage_layers",
+                          stages if ask.split_from == "--stages" else list(ask.layers),
                           split_problem(ask.layers, n_st, model.n_layers))
     names = [p.name for p in r.pools]
     per_replica = int(ask.base["tp"][0] * ask.base["cp"][0] * ask.base["dps"][0])
