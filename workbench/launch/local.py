@@ -12,6 +12,6 @@ class LocalLauncher:
         return 1
 
     def launch(self, job: Job) -> Dict[str, float]:
-        from workbench.train.main import run_job
+        from workbench.rank import run_job
 
         return run_job(job)
