@@ -214,9 +214,9 @@ def test_an_old_whole_file_run_is_refused_and_continues_as_a_new_run(workdir, ca
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(CONSTANT + ["train.steps=12", "train.run_dir=runs/old"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1, err
-    assert "whole-file checkpoints" in err[0] and f"train.init_from={old}" in err[0], err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after "resuming run in ..."
+    assert e.value.code == 2 and err.startswith("error: "), err
+    assert "whole-file checkpoints" in err and f"train.init_from={old}" in err, err
     assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/new",
                             "train.init_from=runs/old"]) == 0
     runs = _runs()

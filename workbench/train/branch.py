@@ -26,6 +26,7 @@ from workbench.errors import ConfigError
 from workbench.job import JOB_NAME, Job
 from workbench.train.checkpoint.names import (
     COMPLETE,
+    in_any_layout,
     is_whole_file,
     looks_complete,
     newest_whole_file,
@@ -34,7 +35,8 @@ from workbench.train.checkpoint.names import (
 )
 
 KEY = "train.init_from"
-VALID = "a run folder, or one of its checkpoints (checkpoints/LAYOUT/step_N)"
+VALID = ("a run folder, or one of its checkpoints (checkpoints/step_N, or "
+         "checkpoints/LAYOUT/step_N)")
 CONVERTED = "init"  # the new run's copy of an old whole-file checkpoint, keyed by name
 
 
@@ -76,6 +78,7 @@ def _run_dir_of(path: Path) -> Optional[Path]:
 def find(init_from: str) -> InitPoint:
     """The checkpoint `train.init_from` names, with the run that wrote it."""
     path = Path(init_from).expanduser().resolve()
+    path = path if path.exists() else (in_any_layout(path) or path)
     run_dir = _run_dir_of(path) if path.exists() else None
     if run_dir is None:
         raise ConfigError(KEY, init_from, VALID)

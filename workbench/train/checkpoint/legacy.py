@@ -71,7 +71,7 @@ def refuse_resume(run_dir: str | Path) -> None:
         return
     steps = ", ".join(str(step_of(p)) for p in found)
     raise InputError(f"{Path(run_dir) / 'checkpoints'} holds whole-file checkpoints of an older "
-                     f"workbench (steps {steps}), which this version does not resume; continue "
-                     f"from them as a new run: python -m workbench.run train.init_from={run_dir} "
-                     "train.run_dir=NEW_FOLDER (the config of the old run, and its steps)")
+                     f"workbench (steps {steps}), which this version does not resume; start a "
+                     f"new run from them: the old run's overrides plus train.init_from={run_dir} "
+                     "train.run_dir=NEW_FOLDER")
 

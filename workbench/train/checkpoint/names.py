@@ -45,6 +45,16 @@ def whole_files(run_dir: Path | str) -> List[Path]:
     return sorted(p for p in base.glob(f"step_*{WHOLE_SUFFIX}") if step_of(p) is not None)
 
 
+def in_any_layout(path: Path) -> Optional[Path]:
+    """`RUN/checkpoints/step_N` names step N's checkpoint folder in whichever layout folder
+    holds it (the layout is how it was written, not which checkpoint it is); None when none
+    or several do."""
+    if path.parent.name != CHECKPOINTS or step_of(path) is None or is_whole_file(path):
+        return None
+    found = [p for p in path.parent.glob(f"*/{path.name}") if p.is_dir()]
+    return found[0] if len(found) == 1 else None
+
+
 def step_folders(run_dir: Path | str) -> List[Path]:
     """Every checkpoint folder of a run, in any layout it ran in, complete or not."""
     base = Path(run_dir) / CHECKPOINTS
