@@ -54,12 +54,12 @@ def convert(path: Path, cfg: RunConfig, dest: Path) -> None:
     optimizer = make_optimizer(list(model.parameters()), cfg)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    dest.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # "no process group: saving in a single process", as meant
         warnings.simplefilter("ignore", UserWarning)
         named = get_optimizer_state_dict(model, optimizer)
-    dest.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": model.state_dict(), "optimizer": named}, checkpoint_id=str(dest),
-             no_dist=True)
+        dcp.save({"model": model.state_dict(), "optimizer": named}, checkpoint_id=str(dest),
+                 no_dist=True)
     seal(dest, state["next_step"], solo())
 
 
