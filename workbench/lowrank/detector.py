@@ -1,5 +1,5 @@
 """When to switch to low rank: pure arithmetic over per-layer signal trajectories, kept apart
-from the controller so that it is unit-testable without a model.
+from the loop hooks (cuttlefish.py) so that it is unit-testable without a model.
 
 Everything is measured in units of training progress, not checks: a layer's signal (a level
 normalized to its full rank, e.g. the rank it would get now / min(m, n)) becomes a rate of

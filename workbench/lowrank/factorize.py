@@ -8,7 +8,7 @@ Ranks follow the stable rank ||W||_F^2 / sigma_max^2, a smooth, cheap proxy of h
 directions a layer actually uses (Cuttlefish, Wang et al. 2023). sigma_max comes from a few
 power iterations warm-started from the previous check, so a check costs a few matrix-vector
 products instead of an SVD. How a stable rank becomes a rank is torch-free arithmetic shared
-with the planner (ranks.py); when to switch lives in detector.py and controller.py.
+with the planner (ranks.py); when to switch lives in detector.py and cuttlefish.py.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def overlap(prev: torch.Tensor, now: torch.Tensor) -> float:
 
 class LayerSignals:
     """One layer's signal state between checks: its initial weight, last top-k basis and
-    cumulative subspace travel (the stable-rank probe stays with the controller)."""
+    cumulative subspace travel (the stable-rank probe stays with measure.py)."""
 
     def __init__(self, w0: torch.Tensor):
         self.w0 = w0.detach().to("cpu", torch.float32).clone()
