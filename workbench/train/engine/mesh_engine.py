@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.utils import get_total_norm
 
 from workbench import compat
 from workbench.config import RunConfig, compute_dtype
@@ -150,9 +151,10 @@ class MeshEngine:
 
     def _from_last_stage(self, value: Optional[torch.Tensor]) -> torch.Tensor:
         """The last stage's scalar on every stage (a sum over the pp group, zeros elsewhere)."""
-        out = torch.zeros((), device=self.device, dtype=torch.float32)
+        dtype = torch.float32 if value is None else value.dtype
+        out = torch.zeros((), device=self.device, dtype=dtype)
         if value is not None:
-            out += value.detach().float()
+            out += value.detach()
         group = self.mesh.group("pp")
         if group is not None:
             dist.all_reduce(out, group=group)
@@ -161,7 +163,7 @@ class MeshEngine:
     def _global_mean(self, local: torch.Tensor) -> float:
         """Mean over data- and context-parallel ranks of each rank's mean: the global-batch
         mean, since every such rank holds an equal share of the tokens."""
-        local = local.detach().float().clone()
+        local = local.detach().to(torch.promote_types(local.dtype, torch.float32)).clone()
         for name in ("dp_replicate", "dp_shard", "cp"):
             group = self.mesh.group(name)
             if group is not None:
@@ -172,7 +174,8 @@ class MeshEngine:
     def eval_loss(self, batches: List[Batch]) -> float:
         for p in self.parts:
             p.eval()
-        total = torch.zeros((), device=self.device)
+        # summed in float64: a mean over many batches keeps the digits its batches have
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
         for x, y in map(self._local, batches):
             with autocast(self.device, self.dtype):
                 if self.schedule is None:
@@ -188,11 +191,12 @@ class MeshEngine:
         return self._global_mean(total / len(batches))
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm of all gradients: local sums of squares, summed over the mesh
-        dimensions a gradient is sharded on, then over pipeline stages; then scale."""
-        sums: Dict[tuple, torch.Tensor] = {}
+        """Global L2 norm of all gradients, then scale them to at most `max_norm`. Gradients
+        sharded alike (the same mesh dimensions) take their local norm together, squared and
+        summed over those dimensions, then over pipeline stages; with nothing to reduce (one
+        process, or replication) this is torch.nn.utils.clip_grad_norm_'s arithmetic."""
+        by_key: Dict[tuple, List[torch.Tensor]] = {}
         groups: Dict[tuple, list] = {}
-        grads = []
         for p in self._params():
             g = p.grad
             if g is None:
@@ -203,28 +207,32 @@ class MeshEngine:
                 g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
                                                    for pl in g.placements])
                 p.grad = g
+            key: tuple = ()
             if isinstance(g, DTensor):
                 # Any shard-like placement (FSDP's _StridedShard over TP included) splits the
                 # tensor across that mesh dimension; replicated dimensions count once.
                 dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
                 key = (id(g.device_mesh), dims)
                 groups[key] = [g.device_mesh.get_group(i) for i in dims]
-                local = g.to_local()
-            else:
-                key, local = (), g
-                groups[key] = []
-            grads.append(local)
-            sq = local.detach().float().pow(2).sum()
-            sums[key] = sums[key] + sq if key in sums else sq
-        total = torch.zeros((), device=self.device, dtype=torch.float32)
-        for key, sq in sums.items():
-            for group in groups[key]:
-                dist.all_reduce(sq, group=group)
-            total += sq
-        if self.mesh.group("pp") is not None:
-            dist.all_reduce(total, group=self.mesh.group("pp"))
-        norm = total.sqrt()
+                g = g.to_local()
+            groups.setdefault(key, [])
+            by_key.setdefault(key, []).append(g)
+        norms = {key: get_total_norm(grads) for key, grads in by_key.items()}
+        pp = self.mesh.group("pp")
+        if len(norms) == 1 and not groups[next(iter(norms))] and pp is None:
+            norm = next(iter(norms.values())).float()
+        else:
+            total = torch.zeros((), device=self.device, dtype=torch.float32)
+            for key, n in norms.items():
+                sq = n.float().pow(2)
+                for group in groups[key]:
+                    dist.all_reduce(sq, group=group)
+                total += sq
+            if pp is not None:
+                dist.all_reduce(total, group=pp)
+            norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = [g for gs in by_key.values() for g in gs]
         if grads:
             compat.foreach_mul_(grads, coef.to(grads[0].dtype))
         return float(norm)
