@@ -64,7 +64,7 @@ class _NoCheckpoints:
     def steps(self) -> List[int]:
         return []
 
-    def peek(self, key: str) -> None:  # the low-rank controller peeks for a checkpoint
+    def peek(self, key: str) -> None:  # low-rank hooks peek for their saved state
         return None
 
 
