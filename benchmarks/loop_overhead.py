@@ -1,8 +1,9 @@
 """What the workbench loop costs over a bare hand-written PyTorch loop.
 
 Same model (gpt_tiny by default), same data, same batch, same process, alternating trials so that
-machine noise hits both. The workbench side is the real `loop.train` with MLflow tracking (sqlite),
-the progress bar and a checkpoint; the bare side is forward / backward / clip / AdamW step.
+machine noise hits both. The workbench side is the real `loop.train` as one rank runs it (the
+engine over a one-rank process group) with MLflow tracking (sqlite), the progress bar and a DCP
+checkpoint; the bare side is forward / backward / clip / AdamW step.
 Also measures the time from command start to the first training step of `python -m
 workbench.run` (a fresh process, cold imports) and the CPU seconds of that 2-step command, next to
 the same command with CPython's default garbage-collector thresholds (workbench/startup.py).
