@@ -20,7 +20,7 @@ class LocalLauncher:
         return 1
 
     def launch(self, job: Job) -> Dict[str, float]:
-        from workbench.train.main import run_job  # torch loads only when this process trains
+        from workbench.rank import run_job  # torch loads only when this process trains
 
         return run_job(job)
 

@@ -1,7 +1,7 @@
 """The Slurm launcher: submitit's executor around the one rank entry point.
 
 Each Slurm task is one rank. It runs `TrainTask(job_file)`, which exports the torch.distributed
-rendezvous from the Slurm environment, then calls `workbench.train.main.run_job` on the job file,
+rendezvous from the Slurm environment, then calls `workbench.rank.run_job` on the job file,
 exactly as the local and torchrun launchers do. A time-limit (USR2, from `--signal`) or preemption
 (TERM) signal only raises a flag; the training loop polls it between steps, writes a checkpoint
 and returns, and then the task requeues itself through submitit (USR2) or lets Slurm requeue it
@@ -93,7 +93,7 @@ class TrainTask(submitit.helpers.Checkpointable):
             from workbench.launch.hetjob import rank_tags
 
             _tag_run(job, rank_tags(env.global_rank))
-        from workbench.train.main import run_job
+        from workbench.rank import run_job
 
         last = run_job(job, progress=False, stop_requested=flag.local)  # the loop agrees
         if "stopped_at" not in last:
