@@ -183,3 +183,15 @@ def test_lowrank_and_train_meet_only_at_the_hook_interface():
     down = {n: sorted(t for t in reach(n) if t.startswith("workbench.lowrank"))
             for n in in_train}
     assert in_train and {n: t for n, t in down.items() if t} == {}
+
+
+def test_test_tools_stay_out_of_the_installed_package():
+    """workbench/testing/ (root-only namespace and cgroup helpers, the in-process rank harness)
+    is left out of the wheel, so nothing the wheel ships may import it."""
+    mods = _modules()
+    users = sorted(name for name, path in mods.items()
+                   if not name.startswith("workbench.testing")
+                   and any(m.startswith("workbench.testing")
+                           for m in _imports(name, path, set(mods))))
+    assert users == [], users
+    assert 'exclude = ["workbench.testing*"]' in (REPO / "pyproject.toml").read_text()

@@ -39,7 +39,7 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path, cache_dir):
     names = zipfile.ZipFile(wheel).namelist()
     assert "workbench/conf/config.yaml" in names
     assert "workbench/conf/model/gpt_tiny.yaml" in names
-    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    assert not any(n.startswith(("tests/", "benchmarks/", "workbench/testing/")) for n in names)
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path, env)
@@ -57,7 +57,7 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path, cache_dir):
     env |= {"WORKBENCH_CACHE": str(cache_dir), "MLFLOW_TRACKING_URI": "",
             "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_TRACKING_URI")
-    composed = _run([str(py), "-c", "from workbench.cli import compose; c = compose([]); "
+    composed = _run([str(py), "-c", "from workbench.compose import compose; c = compose([]); "
                      "print(c.model.name, c.layout.name, c.train.micro_batch)"], elsewhere, env)
     assert composed.stdout.split() == ["gpt_tiny", "single", "0"]
     out = _run([str(py), "-m", "workbench.run", "train.steps=2", "train.eval_every=1",
