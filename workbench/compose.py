@@ -41,6 +41,11 @@ def compose_dict(overrides: Sequence[str]) -> DictConfig:
                            overrides=list(overrides) + conf_search.searchpath_override())
     except MissingConfigException as e:
         raise _missing_option(e, overrides) from None
+    except yaml.YAMLError as e:  # a config file (a hand-edited cluster file, say) is not YAML
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name}:{mark.line + 1}" if mark else "a config file"
+        raise ConfigError(where, "", f"not valid YAML: {getattr(e, 'problem', None) or e}"
+                          ) from None
     except (ConfigCompositionException, HydraException, OmegaConfBaseException,
             ValueError) as e:
         err = _hydra_error(e)
