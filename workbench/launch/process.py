@@ -4,9 +4,9 @@ local trials start in the background (each in its own session, so a killed or de
 leaves them running and a later driver finds them by pid).
 
 Several ranks run under `torch.distributed.run --standalone`; one rank is the rank entry itself.
-Either way the process is `... -m workbench.train JOB_FILE` (or a profile job's worker) and the loss-holding rank writes
-`run_dir/final_metrics.json`, which is how a foreground launch gets its result back (this
-driver never imports the rank code, nor torch).
+Either way the process is `... -m workbench.train JOB_FILE` (a profile job's worker for a
+profile), and the loss-holding rank writes `run_dir/final_metrics.json`, which is how a
+foreground launch gets its result back (this driver never imports the rank code, nor torch).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import os
 import resource
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.config import ModelConfig, RunConfig, compute_dtype
+from workbench.plan.cost.shapes import model_shape
 from workbench.profile import comms
 from workbench.profile import compute as cm
 from workbench.profile.spec import ProfileSpec
@@ -109,15 +111,11 @@ def compute_level(spec: ProfileSpec, cfg: RunConfig, device: torch.device, ranks
 
 
 def _with_model(cfg: RunConfig, model: ModelConfig) -> RunConfig:
-    from dataclasses import replace
-
     return replace(cfg, model=model)
 
 
 def gemm_shapes(model: ModelConfig, tps: List[int]) -> List[cm.Gemm]:
     """Every linear of a block and the LM head as a rank holds it at each TP degree."""
-    from workbench.plan.shapes import model_shape
-
     ms = model_shape(model)
     linears = list(ms.dense) + [(ms.hidden, ms.vocab, True)]
     out = []
