@@ -201,4 +201,7 @@ def coefficients(cluster: ClusterConfig, overrides: Mapping[str, float] | None =
                 raise ConfigError(f"cluster.coeff.{name}", value,
                                   f"unknown coefficient; valid: {', '.join(NAMES)}")
             merged[name] = float(value)
+    if cluster.profile is not None and cluster.profile.memory.baseline_bytes > 0:
+        # measured: what a process holds before any model (workbench/profile)
+        merged.setdefault("mem_fixed_bytes", float(cluster.profile.memory.baseline_bytes))
     return replace(defaults_for(cluster.gpu), **merged)
