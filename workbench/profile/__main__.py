@@ -39,6 +39,8 @@ def _parser() -> ArgParser:
     p.add_argument("--max-comm-mib", type=float, default=64.0,
                    help="largest collective payload timed (MiB)")
     p.add_argument("--force", action="store_true", help="replace an existing cluster file")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes, shorter trials: a smoke test, not a profile to plan on")
     return p
 
 
@@ -70,7 +72,7 @@ def main(argv: List[str]) -> int:
                           args.max_tp if args.max_tp < 0 else args.max_comm_mib, "must be > 0")
     dtypes = [d for d in args.dtypes.split(",") if d] or [compute_dtype(cfg.train, cfg.cluster)]
     spec: ProfileSpec = spec_for(cfg, _models(cfg, args.models), dtypes, args.max_tp,
-                                 int(args.max_comm_mib * 2**20))
+                                 int(args.max_comm_mib * 2**20), args.quick)
     work = Path(tempfile.mkdtemp(prefix="wb-profile-"))
     t0 = time.perf_counter()
     try:

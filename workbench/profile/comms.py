@@ -94,14 +94,11 @@ def _op(kind: str, nbytes: int, group: dist.ProcessGroup, members: tuple[int, ..
     return exchange
 
 
-def _timed(fn: Callable[[], None], device: torch.device, iters: int, budget_s: float
-           ) -> List[float]:
-    """Seconds of each call, at most `iters` of them and about `budget_s` in all, after one
-    warm-up call (which opens the group's connections)."""
-    fn()
+def _timed(fn: Callable[[], None], device: torch.device, calls: int) -> List[float]:
+    """Seconds of each of `calls` calls (every member makes the same number: a collective
+    that one rank calls once more than the others never returns)."""
     out: List[float] = []
-    start = time.perf_counter()
-    while len(out) < iters and (len(out) < 3 or time.perf_counter() - start < budget_s):
+    for _ in range(calls):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -123,11 +120,16 @@ def curve(kind: str, part: Partition, sizes_bytes: Sequence[int], device: torch.
     rows: List[Dict[str, float]] = []
     for nbytes in sizes_bytes:
         dist.barrier()
-        local = -1.0
+        fn, first = None, 0.0
         if mine is not None:
-            times = _timed(_op(kind, nbytes, groups[mine], mine, device), device, 20, budget_s)
+            fn = _op(kind, nbytes, groups[mine], mine, device)
+            first = _timed(fn, device, 2)[-1]  # the first call opens the group's connections
+        # as many calls as fit the budget at the slowest member's pace, the same on every rank
+        calls = int(min(20, max(3, budget_s / max(_slowest(first, device), 1e-6))))
+        local = -1.0
+        if fn is not None:
             half = 0.5 if kind == "p2p" else 1.0
-            local = half * statistics.median(times)
+            local = half * statistics.median(_timed(fn, device, calls))
         seconds = _slowest(local, device)
         rows.append({"bytes": float(nbytes), "s": seconds})
         if seconds > slow_s:

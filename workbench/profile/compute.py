@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import ModelConfig, RunConfig
-from workbench.profile.timing import median_s
+from workbench.profile.timing import Timing, fastest_s
 from workbench.train.model import Block, build, cross_entropy, rope_tables
 from workbench.train.optimizer import make_optimizer
 
@@ -42,16 +42,16 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
     return contextlib.nullcontext()
 
 
-def gemm_times(shape: Gemm, tokens: int, dtype: str, device: torch.device
-               ) -> tuple[float, float]:
+def gemm_times(shape: Gemm, tokens: int, dtype: str, device: torch.device,
+               timing: Timing = Timing()) -> tuple[float, float]:
     """(forward, backward) seconds of one linear: y = x W^T, then dX = dY W and dW = dY^T X,
     the two products autograd runs for it."""
     dt = DTYPES[dtype]
     x = torch.randn(tokens, shape.k, device=device, dtype=dt)
     w = torch.randn(shape.n, shape.k, device=device, dtype=dt)
     dy = torch.randn(tokens, shape.n, device=device, dtype=dt)
-    fwd = median_s(lambda: F.linear(x, w), device)
-    bwd = median_s(lambda: (dy.mm(w), dy.t().mm(x)), device)
+    fwd = fastest_s(lambda: F.linear(x, w), device, timing)
+    bwd = fastest_s(lambda: (dy.mm(w), dy.t().mm(x)), device, timing)
     return fwd, bwd
 
 
@@ -79,8 +79,8 @@ def batch_shape(tokens: int, seq_len: int) -> tuple[int, int]:
     return 1, tokens
 
 
-def block_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device
-                ) -> tuple[float, float]:
+def block_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device,
+                timing: Timing = Timing()) -> tuple[float, float]:
     """(forward, backward) seconds of one training block at `tokens` per micro-batch."""
     block = rank_block(cfg, tp).to(device)
     b, s = batch_shape(tokens, cfg.seq_len)
@@ -95,24 +95,25 @@ def block_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torc
     def both() -> None:
         forward().backward(grad)
 
-    fwd = median_s(forward, device)
-    return fwd, max(0.0, median_s(both, device) - fwd)
+    fwd = fastest_s(forward, device, timing)
+    return fwd, max(0.0, fastest_s(both, device, timing) - fwd)
 
 
-def loss_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device
-               ) -> tuple[float, float]:
+def loss_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device,
+               timing: Timing = Timing()) -> tuple[float, float]:
     """(forward, backward) seconds of the cross-entropy over a rank's logits (the head GEMM
     is a Gemm of its own): softmax over vocab/tp columns in fp32, as training computes it."""
     b, s = batch_shape(tokens, cfg.seq_len)
     logits = torch.randn(b, s, cfg.vocab // tp, device=device, dtype=DTYPES[dtype],
                          requires_grad=True)
     target = torch.randint(0, cfg.vocab // tp, (b, s), device=device)
-    fwd = median_s(lambda: cross_entropy(logits, target), device)
-    both = median_s(lambda: cross_entropy(logits, target).backward(), device)
+    fwd = fastest_s(lambda: cross_entropy(logits, target), device, timing)
+    both = fastest_s(lambda: cross_entropy(logits, target).backward(), device, timing)
     return fwd, max(0.0, both - fwd)
 
 
-def optimizer_times(cfg: RunConfig, device: torch.device) -> Dict[str, float]:
+def optimizer_times(cfg: RunConfig, device: torch.device, timing: Timing = Timing()
+                    ) -> Dict[str, float]:
     """Seconds of one optimizer step of the whole model (AdamW as training builds it, gradient
     clipping and zeroing included), and its parameter and tensor counts: the memory-bound
     update the cost model charges per parameter."""
@@ -126,12 +127,13 @@ def optimizer_times(cfg: RunConfig, device: torch.device) -> Dict[str, float]:
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         opt.step()
 
-    seconds = median_s(step, device, trials=3)
+    seconds = fastest_s(step, device, Timing(timing.trial_s, 3))
     return {"params": float(sum(p.numel() for p in params)), "tensors": float(len(params)),
             "step_s": seconds}
 
 
-def elementwise_curve(device: torch.device, sizes_bytes: Sequence[int]) -> Dict[str, List[float]]:
+def elementwise_curve(device: torch.device, sizes_bytes: Sequence[int],
+                      timing: Timing = Timing()) -> Dict[str, List[float]]:
     """Seconds of an out-of-place fp32 add (two reads, one write) at each size: the small sizes
     give the per-operation overhead, the large ones the memory bandwidth."""
     rows: Dict[str, List[float]] = {"bytes": [], "s": []}
@@ -139,7 +141,7 @@ def elementwise_curve(device: torch.device, sizes_bytes: Sequence[int]) -> Dict[
         n = max(1, nbytes // 4)
         a, b = torch.randn(n, device=device), torch.randn(n, device=device)
         out = torch.empty_like(a)
-        seconds = median_s(lambda a=a, b=b, out=out: torch.add(a, b, out=out), device)
+        seconds = fastest_s(lambda a=a, b=b, out=out: torch.add(a, b, out=out), device, timing)
         rows["bytes"].append(float(3 * 4 * n))
         rows["s"].append(seconds)
     return rows

@@ -9,18 +9,24 @@ than a run of 1, and the profile must hold the speed the run will see, not the m
 
 from __future__ import annotations
 
+import datetime
 import os
+import resource
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from workbench.config import ModelConfig, RunConfig
+from workbench.config import ModelConfig, RunConfig, compute_dtype
 from workbench.plan.cost.shapes import block_key, model_shape
+from workbench.profile import comms
 from workbench.profile import compute as cm
 from workbench.profile.spec import ProfileSpec
+from workbench.profile.timing import Timing
 
 Progress = Callable[[str], None]
 
@@ -78,12 +84,14 @@ def compute_level(spec: ProfileSpec, cfg: RunConfig, device: torch.device, ranks
                   show: Progress) -> Dict[str, Any]:
     """Every compute table at one count of busy ranks per host."""
     threads = threads_for(ranks) if device.type == "cpu" else 0
+    timing = Timing(spec.trial_s, spec.trials)
     if threads:
         torch.set_num_threads(threads)
     models = [ModelConfig(**m) for m in spec.models]
     level: Dict[str, Any] = {"ranks": ranks, "threads": threads, "gemm": [], "blocks": [],
                              "optimizer": [],
-                             "elementwise": cm.elementwise_curve(device, spec.elementwise_bytes)}
+                             "elementwise": cm.elementwise_curve(device, spec.elementwise_bytes,
+                                                            timing)}
     for dtype in spec.dtypes:
         shapes = sorted({g for m in models for g in gemm_shapes(m, spec.tps)},
                         key=lambda g: (g.k, g.n))
@@ -91,7 +99,7 @@ def compute_level(spec: ProfileSpec, cfg: RunConfig, device: torch.device, ranks
         for i, shape in enumerate(shapes):
             show(f"compute x{ranks}: {dtype} GEMM {shape.k}x{shape.n} ({i + 1}/{len(shapes)})")
             for tok in spec.tokens:
-                fwd, bwd = cm.gemm_times(shape, tok, dtype, device)
+                fwd, bwd = cm.gemm_times(shape, tok, dtype, device, timing)
                 for key, v in zip(("k", "n", "tokens", "fwd_s", "bwd_s"),
                                   (shape.k, shape.n, tok, fwd, bwd)):
                     rows[key].append(v)
@@ -101,7 +109,7 @@ def compute_level(spec: ProfileSpec, cfg: RunConfig, device: torch.device, ranks
     for m in models:
         show(f"compute x{ranks}: {m.name} optimizer step")
         level["optimizer"].append({"model": m.name, **cm.optimizer_times(
-            _with_model(cfg, m), device)})
+            _with_model(cfg, m), device, timing)})
     return level
 
 
@@ -123,15 +131,114 @@ def gemm_shapes(model: ModelConfig, tps: List[int]) -> List[cm.Gemm]:
 
 def _block_table(model: ModelConfig, spec: ProfileSpec, dtype: str, device: torch.device,
                  ranks: int, show: Progress) -> Dict[str, Any]:
+    timing = Timing(spec.trial_s, spec.trials)
     rows: Dict[str, Any] = {"model": model.name, "shape": block_key(model_shape(model)),
                             "dtype": dtype, "tp": [], "tokens": [], "fwd_s": [], "bwd_s": [],
                             "loss_fwd_s": [], "loss_bwd_s": []}
     for tp in (t for t in spec.tps if model.n_heads % t == 0 and model.n_kv_heads % t == 0):
         show(f"compute x{ranks}: {dtype} {model.name} block, tp {tp}")
         for tok in spec.tokens:
-            fwd, bwd = cm.block_times(model, tp, tok, dtype, device)
-            lf, lb = cm.loss_times(model, tp, tok, dtype, device)
+            fwd, bwd = cm.block_times(model, tp, tok, dtype, device, timing)
+            lf, lb = cm.loss_times(model, tp, tok, dtype, device, timing)
             for key, v in zip(("tp", "tokens", "fwd_s", "bwd_s", "loss_fwd_s", "loss_bwd_s"),
                               (tp, tok, fwd, bwd, lf, lb)):
                 rows[key].append(v)
     return rows
+
+
+def memory_check(cfg: RunConfig, device: torch.device) -> Dict[str, Any]:
+    """The memory a process holds before any model (the allowance the memory model adds to
+    every rank) and its peak over one training step of the first model at micro-batch 1, so
+    the memory model can be checked against a step. First thing on rank 0: later timings
+    allocate tensors that would raise the peak."""
+    baseline = _held_bytes(device)
+    model = cm.build(cfg.model, cfg.train.seed, device)
+    opt = cm.make_optimizer(list(model.parameters()), cfg, fused=device.type == "cuda")
+    tokens = torch.randint(0, cfg.model.vocab, (1, cfg.model.seq_len + 1), device=device)
+    with cm.autocast(device, compute_dtype(cfg.train, cfg.cluster)):
+        loss = cm.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    opt.step()
+    return {"model": cfg.model.name, "micro_batch": 1, "baseline_bytes": baseline,
+            "step_peak_bytes": _peak_bytes(device)}
+
+
+def _held_bytes(device: torch.device) -> float:
+    """What the process holds now: a GPU's memory in use (the CUDA context, the libraries'
+    workspaces), or the process's peak resident memory on a CPU."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return float(total - free)
+    return _peak_bytes(device)
+
+
+def _peak_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
+
+
+def run(spec: ProfileSpec, cfg: RunConfig, rank: int, world: int, show: Progress
+        ) -> Optional[Dict[str, Any]]:
+    """Every measurement, in order; rank 0 returns them (the others None). With several
+    ranks the default process group exists already (the caller makes and ends it)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" \
+        else torch.device("cpu")
+    me = where()
+    everyone = _gather(me, world)
+    hosts = [e["host"] for e in everyone]
+    nodes = list(dict.fromkeys(e["node"] for e in everyone))
+    node_of = [nodes.index(e["node"]) for e in everyone]
+    on_host = hosts.count(me["host"])
+    host_index = [r for r in range(world) if hosts[r] == me["host"]].index(rank)
+    out: Dict[str, Any] = {"measured": {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "torch": torch.__version__, "device_type": device.type,
+        "device_name": me["device_name"], "world": world, "nodes": len(nodes),
+        "hosts": len(set(hosts)), "cores_per_host": cores() if device.type == "cpu" else 0,
+        "ranks_per_host": on_host}, "compute": [], "comms": []}
+    if rank == 0:
+        show("memory: one training step")
+        out["memory"] = memory_check(cfg, device)
+    for ranks in levels(on_host, device):
+        level = compute_level(spec, cfg, device, ranks, show) if host_index < ranks else None
+        _barrier(world)
+        if rank == 0:
+            out["compute"].append(level)
+    if world > 1:
+        torch.set_num_threads(threads_for(on_host)) if device.type == "cpu" else None
+        out["comms"] = collectives(spec, device, node_of, show)
+    return out if rank == 0 else None
+
+
+def collectives(spec: ProfileSpec, device: torch.device, node_of: List[int], show: Progress
+                ) -> List[Dict[str, Any]]:
+    parts = comms.partitions(node_of)
+    groups = comms.make_groups(parts)
+    out = []
+    for part in parts:
+        for kind in comms.KINDS:
+            if kind == "p2p" and part.size != 2:
+                continue
+            show(f"collectives: {kind} over {len(part.groups)} group(s) of {part.size}, "
+                 f"{part.span} node")
+            t0 = time.perf_counter()
+            rows = comms.curve(kind, part, spec.comm_bytes, device, groups, spec.slow_s,
+                               spec.budget_s)
+            out.append({"kind": kind, "group": part.size, "span": part.span,
+                        "bytes": [r["bytes"] for r in rows], "s": [r["s"] for r in rows],
+                        "measure_s": time.perf_counter() - t0})
+    return out
+
+
+def _gather(obj: Any, world: int) -> List[Any]:
+    if world == 1:
+        return [obj]
+    out: List[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()

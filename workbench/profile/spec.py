@@ -24,6 +24,8 @@ class ProfileSpec:
     elementwise_bytes: List[int] = field(default_factory=lambda: [2**k for k in range(12, 27, 2)])
     slow_s: float = 0.3  # a collective's curve stops after the first size slower than this
     budget_s: float = 0.2  # about this long timing one collective at one size
+    trial_s: float = 0.01  # each compute timing: `trials` trials at least this long
+    trials: int = 5
 
 
 def powers_of_two(low: int, high: int) -> List[int]:
@@ -36,7 +38,7 @@ def powers_of_two(low: int, high: int) -> List[int]:
 
 
 def spec_for(cfg: RunConfig, models: List[Dict[str, Any]], dtypes: List[str], max_tp: int,
-             max_comm_bytes: int) -> ProfileSpec:
+             max_comm_bytes: int, quick: bool = False) -> ProfileSpec:
     """Token counts from a context-parallel shard of one sequence to the whole global batch on
     one rank; TP degrees that divide every model's heads up to `max_tp`; payloads from 4 KiB
     (latency) to `max_comm_bytes` (bandwidth), every factor of 4."""
@@ -46,4 +48,9 @@ def spec_for(cfg: RunConfig, models: List[Dict[str, Any]], dtypes: List[str], ma
     tps = [t for t in powers_of_two(1, max_tp)
            if all(m["n_heads"] % t == 0 and m["n_kv_heads"] % t == 0 for m in models)]
     comm = [4096 * 4**i for i in range(16) if 4096 * 4**i <= max_comm_bytes]
+    if quick:  # a smoke test's profile: every other token count, shorter and fewer trials
+        tokens = sorted(set(tokens[::2] + tokens[-1:]))
+        return ProfileSpec(models=models, dtypes=dtypes, tps=tps, tokens=tokens,
+                           comm_bytes=comm[::2], slow_s=0.1, budget_s=0.05, trial_s=0.003,
+                           trials=3)
     return ProfileSpec(models=models, dtypes=dtypes, tps=tps, tokens=tokens, comm_bytes=comm)

@@ -1,14 +1,16 @@
 """How the profiler times one operation: warmed up, repeated until the clock resolves it, the
-median of several trials.
+fastest of several trials.
 
-The median, not the mean: on a machine other jobs share, one trial in several is slowed by a
-neighbour; the median is what a training step of many such operations sees.
+The fastest, not the mean or the median: a trial is only ever slowed down (by a neighbour on a
+shared machine, an interrupt, a page fault), never sped up, so the fastest trial is the
+operation's own cost; a training step adds up thousands of them, whose own delays the step's
+median then sees once.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,10 +22,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_s(fn: Callable[[], object], device: torch.device, min_trial_s: float = 0.01,
-             trials: int = 5, max_reps: int = 10_000) -> float:
-    """Median seconds of one call of `fn` over `trials` trials, each at least `min_trial_s`
+@dataclass(frozen=True)
+class Timing:
+    """How long the profiler looks at each operation: `trials` trials of at least `trial_s`."""
+
+    trial_s: float = 0.01
+    trials: int = 5
+
+
+def fastest_s(fn: Callable[[], object], device: torch.device, timing: Timing = Timing(),
+             max_reps: int = 10_000) -> float:
+    """Seconds of one call of `fn` in the fastest trial, each trial at least `timing.trial_s`
     long (a microsecond operation is repeated until the trial is long enough to time)."""
+    min_trial_s, trials = timing.trial_s, timing.trials
     fn()
     synchronize(device)
     t0 = time.perf_counter()
@@ -38,4 +49,4 @@ def median_s(fn: Callable[[], object], device: torch.device, min_trial_s: float 
             fn()
         synchronize(device)
         samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
+    return min(samples)

@@ -170,6 +170,33 @@ def measured_optimizer_s(rank: PerRank, shard_params: np.ndarray, dist_optimizer
     return per_level(rank, lambda level, rows: level.optimizer_s_per_param * updated[rows])
 
 
+def term_sources(rank: PerRank, shape: ModelShape, precision: str) -> dict[str, str]:
+    """Where each time term's durations come from, for --explain: the profile's curves (and
+    which), or the datasheet and coefficients."""
+    m = rank.measured
+    if m is None or any(precision not in level.gemm for _, level in rank.levels):
+        return {}
+    tp = rank.cols["tp"]
+    blocks = all((block_key(shape), precision) in level.blocks
+                 and all(int(d) in level.blocks[(block_key(shape), precision)].by_tp
+                         for d in tp[rows]) for rows, level in rank.levels)
+    compute = "measured GEMMs" + (" + block" if blocks else " + datasheet rest of the block")
+    levels = ", ".join(f"{lv.ranks} rank(s)/host" for _, lv in rank.levels)
+
+    def curves(*kinds: str) -> str:
+        spans = sorted({span for kind, span in m.comms if kind in kinds})
+        return f"measured {'/'.join(kinds)} ({'/'.join(spans) or 'none'})"
+
+    return {"time_fwd_s": f"{compute}, {levels}", "time_bwd_s": f"{compute}, {levels}",
+            "time_recompute_s": f"{compute}, {levels}", "time_tp_comm_s": curves(
+                "all_reduce", "all_gather", "reduce_scatter"),
+            "time_cp_comm_s": curves("all_gather", "reduce_scatter"),
+            "time_pp_p2p_s": curves("p2p"), "time_pp_bubble_s": "the stage times above",
+            "time_dp_comm_exposed_s": curves("all_reduce", "all_gather", "reduce_scatter")
+            + (", nothing hidden on a CPU" if m.one_host else ""),
+            "time_optimizer_s": "measured optimizer step rate"}
+
+
 def source(measured: Optional[Measured]) -> str:
     """What --explain prints as the source of a term."""
     return f"measured ({measured.source})" if measured else "datasheet and coefficients"
