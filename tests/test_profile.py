@@ -48,7 +48,7 @@ def test_profile_writes_a_cluster_file_that_runs_and_plans_use(workdir):
     assert run.returncode == 0, run.stderr[-3000:]
     r = only_run()
     assert r.data.params["cluster.name"] == "here" and r.data.metrics["pred/step_time_s"] > 0
-    plan = cli("workbench.plan", ["cluster=here", "--explain", "dpr1_dps2_tp1_pp1_cp1_mb4_ga1"],
+    plan = cli("workbench.plan", ["cluster=here", "--explain", "dpr1_dps2_tp1_pp1_cp1_mb8_ga1"],
                workdir)
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "measured (profile of" in plan.stdout
