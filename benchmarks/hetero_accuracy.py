@@ -7,9 +7,9 @@ cluster is three P3.8xlarge nodes (4x V100, NVLink, 10 Gb/s) and one G4dn.12xlar
 holds each trial's degrees, AMP's layer partition, AMP's predicted cost and the measured
 iteration time, as AMP printed them (SOURCES.md there). Each trial is predicted here with the
 same placement DeepSpeed used (ranks in (pipeline, data, tensor) order, four per node; a stage
-on two GPU types runs at the slower one's pace, workbench.plan.pools.spanning) and the same
-partition. Nothing is fitted to these numbers: GPUs are datasheet figures, coefficients the
-defaults, software the facts of that stack.
+whose replicas sit on both GPU types is a mixed stage, workbench.plan.pools.placement, stepping at
+the slower one's pace) and the same partition. Nothing is fitted to these numbers: GPUs are
+datasheet figures, coefficients the defaults, software the facts of that stack.
 
 Prints per sweep: Spearman rank correlation of predicted vs measured over the trials that ran,
 and the top-1 regret (measured time of the predicted-best trial over the measured best; a pick
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import sys
 from pathlib import Path
 
@@ -32,8 +33,10 @@ from workbench.plan.cost.columns import columns
 from workbench.plan.cost.hardware import match_gpu
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
-from workbench.plan.pools.cluster import Pool, PoolLink, spanning
-from workbench.plan.pools.pipeline import build, pool_costs, step
+from workbench.plan.pools.cluster import Pool, PoolLink
+from workbench.plan.pools.pipeline import LinkArrays
+from workbench.plan.pools.placement import Members
+from workbench.plan.pools.search import price
 
 DATA = Path(__file__).resolve().parent / "calibration" / "amp_het_cluster.csv"
 GPUS_PER_NODE = 4
@@ -81,29 +84,24 @@ def predict(row: dict[str, str], kinds: list[str]) -> tuple[float, bool]:
     bounds = [min(max(int(b) - FIRST_LAYER, 0), N_LAYERS) for b in row["amp_partition"].split()]
     layers = np.diff(bounds)
     pools = _pools(kinds)
-    stage_pools = []
+    names = list(pools)
+    stages = []  # each stage's replicas by node type, in rank order (tp <= 4: one node each)
     for s in range(pp):
-        nodes = sorted({r // GPUS_PER_NODE for r in range(s * tp * dp, (s + 1) * tp * dp)})
-        members = [pools[k] for k in dict.fromkeys(kinds[n] for n in nodes)]
-        stage_pools.append(spanning(members, CROSS if len(members) > 1 else None))
-    uniq = list(dict.fromkeys(p.name for p in stage_pools))
-    by_name = {p.name: p for p in stage_pools}
+        members: list[tuple[int, int]] = []
+        for d in range(dp):
+            p = names.index(kinds[(s * tp * dp + d * tp) // GPUS_PER_NODE])
+            if members and members[-1][0] == p:
+                members[-1] = (p, members[-1][1] + 1)
+            else:
+                members.append((p, 1))
+        stages.append(members)
     a = columns(dpr=dp, dps=1, tp=tp, pp=1, cp=1, sp=0, mb=mb, rc=0, sched=1, v=1)
     a["ga"] = np.array([gb / (dp * mb)])
-    ms = model_shape(MODEL)
-    costs = [pool_costs(ms, by_name[n], SOFTWARE, a) for n in uniq]
-    idx = np.array([[uniq.index(p.name) for p in stage_pools]])
-    cross = np.full((1, pp - 1), np.nan)
-    for s in range(pp - 1):  # a boundary between different node types pays the P3 <-> G4dn NIC
-        src = {kinds[r // GPUS_PER_NODE] for r in range(s * tp * dp, (s + 1) * tp * dp)}
-        dst = {kinds[(r + tp * dp) // GPUS_PER_NODE]
-               for r in range(s * tp * dp, (s + 1) * tp * dp)}
-        if src != dst or len(src) > 1:
-            cross[0, s] = costs[idx[0, s]].p2p_bytes[0] / (CROSS.bytes_per_s * costs[
-                idx[0, s]].link_eff) + CROSS.latency_s
-    st = build(costs, idx, np.zeros(1, dtype=np.int64), cross, a["ga"])
-    out = step(st, layers[None, :].astype(float), a["ga"])
-    return float(out["step_time_s"][0]), bool(out["fits"][0])
+    links = LinkArrays.of(list(pools.values()),
+                          {pair: CROSS for pair in itertools.permutations(names, 2)})
+    p = price(model_shape(MODEL), list(pools.values()), links, SOFTWARE, a,
+              np.zeros(1, dtype=np.int64), Members.of([stages]), layers[None, :])
+    return float(p.out["step_time_s"][0]), bool(p.out["fits"][0])
 
 
 def score(rows: list[dict[str, str]], kinds: list[str]) -> dict[str, float]:

@@ -4,19 +4,19 @@ the losses against one process's.
 
     python benchmarks/hetero_cpu.py [--steps 8] [--layers 8] [--fast-cpus 1.0] [--quick]
 
-Configured as a user's run would be: cluster=cpu_two_pools (workbench/conf/cluster) describes two
-pools of one CPU rank each, the second stated 3x slower. The planner
-(workbench.plan.hetero_search.plan_pipeline, the per-pool costs and layer split of
-workbench.plan.hetero) chooses the order of the pools along the pipeline and each stage's layers;
-the engine runs that layout (pp 2, layout.stage_layers) on 2 gloo ranks, pipeline rank r on the
-pool of stage r, and the even split the same way in the same process group. The emulation is real
-and measurable: each pool's rank runs in a cgroup capped at its pool's share of the CPU
-(workbench.testing.cpuquota), the slow pool's quota set from the cluster's figures (its
-peak_fp32_flops over the fast pool's, times --fast-cpus). Step times are medians over the steps
-after the first. Stage times are measured apart: each pool's process, in its cgroup, times forward
-+ backward of its stage on one micro-batch, both pools at once as in the pipeline. Exit 1 when a
-loss differs from one process's by more than 1e-5 (relative), or, without --quick, when the
-planner's split is not faster.
+Configured as a user's run would be: cluster=cpu_two_pools (workbench/conf/cluster) describes
+two pools of one CPU rank each, the second stated 3x slower. The planner
+(workbench.plan.pools.search.plan_pipeline, the per-pool costs and layer split of
+workbench.plan.pools.pipeline) chooses the order of the pools along the pipeline and each
+stage's layers; the engine runs that layout (pp 2, layout.stage_layers) on 2 gloo ranks,
+pipeline rank r on the pool of stage r, and the even split the same way in the same process
+group. The emulation is real and measurable: each pool's rank runs in a cgroup capped at its
+pool's share of the CPU (workbench.testing.cpuquota), the slow pool's quota set from the
+cluster's figures (its peak_fp32_flops over the fast pool's, times --fast-cpus). Step times are
+medians over the steps after the first. Stage times are measured apart: each pool's process, in
+its cgroup, times forward + backward of its stage on one micro-batch, both pools at once as in
+the pipeline. Exit 1 when a loss differs from one process's by more than 1e-5 (relative), or,
+without --quick, when the planner's split is not faster.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ from workbench.plan.cost.estimate import estimate
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.stacks import software_for
 from workbench.plan.pools.cluster import pools_of
-from workbench.plan.pools.pipeline import Stages, balance, build, pool_costs, step
+from workbench.plan.pools.costs import pool_costs
+from workbench.plan.pools.pipeline import LinkArrays, Stages, balance, build, step
+from workbench.plan.pools.placement import Members
 from workbench.plan.pools.search import rank_pools
 
 POOLS = ["model=llama3_8b", "cluster=h100_a100_pools", "train.global_batch=64"]
@@ -60,8 +62,8 @@ def test_one_pool_stage_costs_agree_with_the_cost_model(tp, dp, pp, split) -> No
     a = layout_columns([lay])
     costs = pool_costs(model_shape(cfg.model), pools_of(cfg.cluster)[0],
                        software_for(cfg.train, cfg.cluster), a)
-    st = build([costs], np.zeros((1, pp), dtype=np.int64), np.zeros(1, dtype=np.int64),
-               np.full((1, pp - 1), np.nan), a["ga"])
+    st = build([costs], Members.single(np.zeros((1, pp), dtype=np.int64)),
+               np.zeros(1, dtype=np.int64), a["ga"], LinkArrays(np.ones((1, 1)), np.zeros((1, 1))))
     out = step(st, np.array([split], dtype=float), a["ga"])
     assert out["stage_mem_bytes"].max() == pytest.approx(est.peak_mem_bytes, rel=1e-6)
     assert out["step_time_s"][0] == pytest.approx(est.step_time_s, rel=0.06)
@@ -73,8 +75,9 @@ def test_balance_is_the_best_split_under_memory() -> None:
     for _ in range(20):
         c, e = rng.uniform(1, 3, 4), rng.uniform(0, 2, 4)
         u, w, hbm = rng.uniform(1, 2, 4), rng.uniform(0, 1, 4), rng.uniform(3, 8, 4)
-        st = Stages(on=np.ones((1, 4), bool), c=c[None], e=e[None], u=u[None], w=w[None],
-                    q=np.zeros((1, 4)), r=np.zeros((1, 4)), hbm=hbm[None],
+        st = Stages(on=np.ones((1, 4), bool), mon=np.ones((1, 4, 1), bool), c=c[None, :, None],
+                    e=e[None, :, None], u=u[None, :, None], w=w[None, :, None],
+                    q=np.zeros((1, 4, 1)), r=np.zeros((1, 4, 1)), hbm=hbm[None, :, None],
                     lo=np.array([[0.0, 1.0, 1.0, 0.0]]))
         n, ok = balance(st, 9)
         times = [max(np.array(k) * c + e) for k in itertools.product(range(10), repeat=4)
@@ -130,9 +133,10 @@ def test_explain_on_pools_itemizes_each_stage_and_adds_up(capsys) -> None:
     top, second = int(r.order[0]), int(r.order[1])
     x = explain_pools(cfg.model, cfg.cluster, cfg.train, r.key(top))
     assert x.rank == 1 and x.stages_text == r.stages(top)
-    assert [s.layers for s in x.stages] == [int(n) for n in r.layers[top] if n > 0]
-    assert max(s.peak_bytes / s.hbm_bytes for s in x.stages) == pytest.approx(r.mem_frac[top])
-    assert all(v >= 0 for s in x.stages for v in s.memory_bytes.values())
+    assert [s.layers for s in x.stages] == [s.layers for s in r.placement(top).stages]
+    members = [m for s in x.stages for m in s.members]
+    assert max(m.peak_bytes / m.hbm_bytes for m in members) == pytest.approx(r.mem_frac[top])
+    assert all(v >= 0 for m in members for v in m.memory_bytes.values())
     assert x.pipeline_s + x.tail_s == pytest.approx(x.step_time_s, rel=1e-12)
     assert x.step_time_s == pytest.approx(float(r.step_time_s[top]), rel=1e-12)
     same = [i for i in r.order if r.key(int(i)) == r.key(second)]

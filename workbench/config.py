@@ -47,10 +47,12 @@ class PoolConfig:
     gpus_per_node: int = 0  # 0: the GPU's usual node
     peak_bf16_flops: float = 0.0  # dense 16-bit tensor-core FLOP/s per device
     peak_fp32_flops: float = 0.0
+    peak_fp8_flops: float = 0.0  # dense FP8 FLOP/s; 0 for a GPU no datasheet matches: no FP8
     hbm_bytes: float = 0.0
     hbm_bw_bytes_per_s: float = 0.0
     intra_node_gbps: float = 0.0  # per device, one direction, GB/s (NVLink / PCIe)
     inter_node_gbps: float = 0.0  # per device, one direction, GB/s (its NIC share)
+    sm_count: int = 0  # streaming multiprocessors (GEMM wave quantization); 0: unknown
     # The Slurm partition of this pool's nodes: launcher=slurm with launcher.stage_pools runs
     # one heterogeneous-job component per pool in it (workbench/launch/hetjob.py).
     partition: str = ""
@@ -180,6 +182,9 @@ class ClusterConfig:
     hbm_bw_bytes_per_s: float = MISSING
     intra_node_gbps: float = MISSING  # per device, one direction, GB/s (NVLink)
     inter_node_gbps: float = MISSING  # per device, one direction, GB/s (NIC share)
+    # 0: the datasheet's figure of the GPU `gpu` names (none where it names no known GPU)
+    peak_fp8_flops: float = 0.0  # dense FP8 FLOP/s per device
+    sm_count: int = 0  # streaming multiprocessors (GEMM wave quantization)
     # Calibrated cost-model coefficients by name (see workbench/plan/cost/coefficients.py);
     # empty means the physical defaults.
     coeff: Dict[str, float] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from workbench.plan.cost.explain import explain, render
 from workbench.plan.cost.hardware import GIB
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import STACKS, stack_software
+from workbench.plan.pools.cluster import check_fp8, pools_of
 from workbench.plan.pools.explain import explain_pools, render_pools
 from workbench.plan.pools.report import pool_main
 from workbench.plan.search.exhaustive import REASONS, Ranking, rank_layouts
@@ -169,9 +170,11 @@ def main(argv: list[str]) -> int:
                    help="GPUs (default cluster.nodes * cluster.gpus_per_node)")
     p.add_argument("--optuna", type=int, default=0, help="also run an N-trial Optuna search")
     p.add_argument("--explain", default="", metavar="LAYOUT",
-                   help="itemize one layout (a key as the ranking prints it) instead of ranking")
+                   help="itemize one layout (a key as the ranking prints it) instead of ranking; "
+                        "on a mixed cluster also a run's layout key or `layout` (the config's)")
     p.add_argument("--stages", default="", metavar="TEXT",
-                   help="mixed cluster, with --explain: the placement, as the ranking prints it")
+                   help="mixed cluster, with --explain: the pools of each stage, e.g. "
+                        "'h100:18 | h100+a100:14' (a mixed stage's replicas on both)")
     p.add_argument("--margin-gib", type=float, default=0.0,
                    help="GiB a layout must leave free to count as fitting (ranking, --optuna, "
                         "--explain)")
@@ -189,14 +192,13 @@ def main(argv: list[str]) -> int:
     cfg = compose(args.overrides)
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
     sw = stack_software(args.stack, cfg.train, cfg.cluster, args.fp8)
-    if cfg.cluster.pools and (args.stack != "workbench" or args.fp8):
-        raise ConfigError("--stack", args.stack, "workbench (without --fp8) on a mixed cluster "
-                                                 "(cluster.pools): it plans this engine's "
-                                                 "stages over the pools")
+    stack = f"{args.stack} ({sw.precision})"
+    if cfg.cluster.pools and args.fp8:
+        check_fp8(pools_of(cfg.cluster))
     if args.explain and cfg.cluster.pools:  # a mixed cluster: one pipeline over pools
         print("\n".join(render_pools(explain_pools(
             cfg.model, cfg.cluster, cfg.train, args.explain, args.stages, cfg.lowrank,
-            args.margin_gib * GIB))))
+            args.margin_gib * GIB, sw, cfg.layout, cfg.launcher.stage_pools), stack)))
         return 0
     if args.stages:
         raise ConfigError("--stages", args.stages, "only with --explain on a mixed cluster "
@@ -212,7 +214,7 @@ def main(argv: list[str]) -> int:
             print(f"{args.tokens:.4g} tokens: {days:.1f} days, {hours:.4g} GPU-hours")
         return 0
     if cfg.cluster.pools:  # a mixed cluster: stages placed on pools (workbench.plan.pools)
-        return pool_main(cfg, args.out, args.top, args.margin_gib)
+        return pool_main(cfg, args.out, args.top, args.margin_gib, sw, stack)
     return _rank(cfg, args, world, sw)
 
 

@@ -193,7 +193,8 @@ def defaults_for(gpu: str) -> Coefficients:
 
 def coefficients(cluster: ClusterConfig, overrides: Mapping[str, float] | None = None
                  ) -> Coefficients:
-    """Defaults for the cluster's GPU, then its calibrated `coeff:` mapping, then overrides."""
+    """Defaults for the cluster's GPU, then its calibrated `coeff:` mapping, then overrides; a
+    cluster that states its FP8 peak scales the FP8 GEMM speedups by its FP8/BF16 ratio."""
     merged: dict[str, float] = {}
     for source in (cluster.coeff or {}, overrides or {}):
         for name, value in dict(source).items():
@@ -204,4 +205,10 @@ def coefficients(cluster: ClusterConfig, overrides: Mapping[str, float] | None =
     if cluster.profile is not None and cluster.profile.memory.baseline_bytes > 0:
         # measured: what a process holds before any model (workbench/profile)
         merged.setdefault("mem_fixed_bytes", float(cluster.profile.memory.baseline_bytes))
-    return replace(defaults_for(cluster.gpu), **merged)
+    base = defaults_for(cluster.gpu)
+    fp8 = float(getattr(cluster, "peak_fp8_flops", 0.0) or 0.0)
+    if fp8 > 0:  # a stated FP8 peak: the FP8 speedups above are of H100's 2x-BF16 one
+        ratio = fp8 / float(cluster.peak_bf16_flops) / 2.0
+        for name in ("fp8_mm_speedup", "fp8_te_mm_speedup"):
+            merged.setdefault(name, getattr(base, name) * ratio)
+    return replace(base, **merged)

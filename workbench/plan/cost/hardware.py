@@ -107,13 +107,15 @@ def hardware_for(cluster: ClusterConfig) -> GpuSpec:
     """The hardware the cost model prices a cluster's GPUs with: every planner path asks this
     one function, so where the figures come from is decided here. The cluster's own figures
     (its YAML, or cluster_for's datasheet copy), with the FP8 peak, power cap and SM count of
-    the datasheet GPU its name matches (none where it matches none)."""
+    the datasheet GPU its name matches (none where it matches none) unless the YAML gives them."""
     try:
         fp8 = match_gpu(cluster.gpu).peak_fp8_flops
         capped = match_gpu(cluster.gpu).power_capped
         sms = match_gpu(cluster.gpu).sm_count
     except KeyError:
         fp8, capped, sms = 0.0, False, 0
+    fp8 = float(getattr(cluster, "peak_fp8_flops", 0.0) or 0.0) or fp8  # the YAML's, if given
+    sms = int(getattr(cluster, "sm_count", 0) or 0) or sms
     peak16 = float(cluster.peak_bf16_flops)
     return GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
                    float(cluster.hbm_bytes), float(cluster.hbm_bw_bytes_per_s),

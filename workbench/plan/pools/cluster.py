@@ -1,26 +1,40 @@
 """A cluster as pools: nodes of one GPU type on one fabric, and the links between pools.
 
 Mixed clusters (an H100 partition beside an A100 one, V100 nodes beside a T4 node) are what
-small labs and academic Slurm sites run; the planner places whole pipeline stages on pools
-(workbench.plan.hetero), so all it needs per pool is the figures the cost model already reads
-(a GpuSpec and its coefficients) and, per pair of pools, what a pipeline cut between them pays.
-A cluster without `pools` is one pool made of its own fields, so every homogeneous plan is
-unchanged.
+small labs and academic Slurm sites run; the planner places pipeline stages' replicas on pools
+(workbench.plan.pools.search), so all it needs per pool is the figures the cost model already
+reads (a GpuSpec and its coefficients: a datasheet's, or the pool's own for a GPU no datasheet
+matches) and, per pair of pools, what a transfer between them pays. A cluster without `pools`
+is one pool made of its own fields, so every homogeneous plan is unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from workbench.config import ClusterConfig
 from workbench.errors import ConfigError
 from workbench.plan.cost.coefficients import Coefficients, coefficients
-from workbench.plan.cost.hardware import GpuSpec, hardware_for, hardware_for_pool
+from workbench.plan.cost.hardware import GpuSpec, hardware_for, hardware_for_pool, match_gpu
 
-# per-device figures a pool may give explicitly (0: the datasheet's, from its GPU name)
-FIGURES = ("peak_bf16_flops", "peak_fp32_flops", "hbm_bytes", "hbm_bw_bytes_per_s",
-           "intra_node_gbps", "inter_node_gbps")
+# per-device figures a pool may give explicitly (0: the datasheet's, from its GPU name), and
+# what each means: a GPU no datasheet matches is priced from these alone, so the ones REQUIRED
+# must be given (peak_fp8_flops 0: no FP8; sm_count 0: GEMM tiles not modelled)
+FIGURES: dict[str, str] = {
+    "peak_bf16_flops": "its dense 16-bit tensor FLOP/s per device",
+    "peak_fp32_flops": "its dense FP32 FLOP/s per device",
+    "peak_fp8_flops": "its dense FP8 FLOP/s per device (0: none)",
+    "hbm_bytes": "its memory per device in bytes",
+    "hbm_bw_bytes_per_s": "its memory bandwidth in bytes/s",
+    "intra_node_gbps": "GB/s one way per device inside a node (NVLink / PCIe)",
+    "inter_node_gbps": "GB/s one way per device across nodes (its NIC share)",
+    "sm_count": "its streaming multiprocessors (0: not modelled)",
+}
+REQUIRED = ("peak_bf16_flops", "peak_fp32_flops", "hbm_bytes", "hbm_bw_bytes_per_s",
+            "intra_node_gbps", "inter_node_gbps")
+# the placement text (workbench.plan.pools.placement) is written with these
+NAME_CHARS = frozenset("+|:*, \t")
 
 
 @dataclass(frozen=True)
@@ -47,16 +61,30 @@ class PoolLink:
 
 def _pool(cluster: Any, i: int, p: Any) -> Pool:
     where = f"cluster.pools[{i}]"
-    given = {k: float(getattr(p, k)) for k in FIGURES if float(getattr(p, k)) > 0}
+    given = {k: float(getattr(p, k, 0) or 0) for k in FIGURES}
+    given = {k: (int(v) if k == "sm_count" else v) for k, v in given.items() if v > 0}
     try:
-        spec = hardware_for_pool(str(p.gpu), given, int(p.gpus_per_node))
-    except KeyError as e:
-        raise ConfigError(f"{where}.gpu", p.gpu, f"{e.args[0]}; or give all of "
-                          f"{', '.join(FIGURES)} and gpus_per_node") from None
+        match_gpu(str(p.gpu))
+    except KeyError as e:  # a GPU no datasheet matches: priced from the pool's own figures
+        if not given:  # no figure at all: a misspelt name more likely than a new GPU
+            raise ConfigError(f"{where}.gpu", p.gpu, f"{e.args[0]}; or give its figures "
+                              f"{', '.join(REQUIRED)} and gpus_per_node") from None
+        for k in (*REQUIRED, "gpus_per_node"):
+            if k not in given and not (k == "gpus_per_node" and int(p.gpus_per_node) > 0):
+                what = FIGURES.get(k, "GPUs per node")
+                raise ConfigError(f"{where}.{k}", getattr(p, k, 0),
+                                  f"{what}: needed for gpu {p.gpu!r}, which no datasheet "
+                                  f"matches ({e.args[0].split('; ')[-1]})") from None
+    spec = hardware_for_pool(str(p.gpu), given, int(p.gpus_per_node))
     if int(p.nodes) < 1:
         raise ConfigError(f"{where}.nodes", p.nodes, "must be >= 1")
+    if not str(p.name) or NAME_CHARS & set(str(p.name)):
+        raise ConfigError(f"{where}.name", p.name, "a name without '+', '|', ':', '*', ',' or "
+                                                   "spaces (placements are written with them)")
     co = coefficients(ClusterConfig(name=str(p.name), gpu=spec.name,
-                                    coeff=dict(cluster.coeff or {})))
+                                    coeff=dict(cluster.coeff or {}),
+                                    peak_bf16_flops=spec.peak_bf16_flops,
+                                    peak_fp8_flops=given.get("peak_fp8_flops", 0.0)))
     return Pool(str(p.name), spec, int(p.nodes), co)
 
 
@@ -101,22 +129,11 @@ def pool_links(cluster: Any, pools: list[Pool]) -> dict[tuple[str, str], PoolLin
     return out
 
 
-def spanning(pools: list[Pool], link: PoolLink | None) -> Pool:
-    """One stage spread over several pools, as some planners place them (AMP's DeepSpeed runs):
-    its replicas move in lock step, so it runs at the slowest pool's pace, fits the smallest
-    memory, and its collectives cross `link`. Only for scoring such layouts: this planner never
-    builds them."""
-    if len(pools) == 1:
-        return pools[0]
-    s = [p.spec for p in pools]
-    nic = min(x.inter_node_gbps for x in s)
-    if link is not None:
-        nic = min(nic, link.bytes_per_s / 1e9)
-    spec = replace(s[0], name="+".join(p.name for p in pools),
-                   peak_bf16_flops=min(x.peak_bf16_flops for x in s),
-                   peak_fp32_flops=min(x.peak_fp32_flops for x in s),
-                   hbm_bytes=min(x.hbm_bytes for x in s),
-                   hbm_bw_bytes_per_s=min(x.hbm_bw_bytes_per_s for x in s),
-                   intra_node_gbps=min(x.intra_node_gbps for x in s), inter_node_gbps=nic)
-    slow = min(pools, key=lambda p: p.spec.peak_bf16_flops)
-    return Pool(spec.name, spec, sum(p.nodes for p in pools), slow.coeff)
+
+def check_fp8(pools: list[Pool]) -> None:
+    """FP8 linears need FP8 on every pool's GPU (ConfigError naming one without)."""
+    none = [p for p in pools if not p.spec.peak_fp8_flops > 0]
+    if none:
+        raise ConfigError("--fp8", True, f"pools whose GPUs have FP8; pool {none[0].name} "
+                                         f"({none[0].spec.name}) has none (its peak_fp8_flops "
+                                         "is 0)")

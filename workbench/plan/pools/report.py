@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.plan.cost.hardware import GIB
+from workbench.plan.cost.software import Software
 from workbench.plan.pools.search import HeteroRanking, rank_pools, speedup, world_of
 
 
@@ -39,13 +40,18 @@ def _row(rank: str, r: HeteroRanking, i: int) -> str:
             f"{r.tokens_per_s[i]:>12.4g}{r.step_time_s[i]:>10.4g}{r.mem_frac[i]:>8.0%}")
 
 
-def pool_main(cfg: Any, out: Path | None, top: int, margin_gib: float = 0.0) -> int:
-    """Rank, print and write the layouts of cfg.model on cfg.cluster's pools."""
-    r = rank_pools(cfg.model, cfg.cluster, cfg.train, cfg.lowrank, margin_bytes=margin_gib * GIB)
+def pool_main(cfg: Any, out: Path | None, top: int, margin_gib: float = 0.0,
+              software: Software | None = None, stack: str = "") -> int:
+    """Rank, print and write the layouts of cfg.model on cfg.cluster's pools (priced with
+    `software`, the stack's; `stack` names it in the header)."""
+    r = rank_pools(cfg.model, cfg.cluster, cfg.train, cfg.lowrank, software,
+                   margin_bytes=margin_gib * GIB)
     desc = " + ".join(f"{p.nodes}x{p.spec.gpus_per_node} {p.spec.name} ({p.name})"
                       for p in r.pools)
     print(f"{cfg.model.name} on pools {desc}, global batch {cfg.train.global_batch} x seq "
-          f"{cfg.model.seq_len}: {len(r)} layouts, {len(r.order)} feasible")
+          f"{cfg.model.seq_len}{', stack ' + stack if stack else ''}: {len(r)} layouts, "
+          f"{len(r.order)} feasible ({sum(r.mixed(int(i)) for i in r.order)} with a mixed "
+          "stage)")
     if margin_gib:
         print(f"fits: every stage's peak + {margin_gib:g} GiB margin within its GPUs' memory "
               "(mem: the share of memory less the margin)")
