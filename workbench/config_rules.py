@@ -154,7 +154,7 @@ def installed_torch() -> str:
     """torch's version as installed, read without importing it (the driver never loads torch)."""
     from workbench.track.manifest import versions
 
-    return versions()["torch"] or ""
+    return str(versions()["torch"] or "")
 
 
 def validate(cfg: RunConfig) -> None:
