@@ -1,8 +1,9 @@
 """What the workbench loop costs over a bare hand-written PyTorch loop.
 
 Same model (gpt_tiny by default), same data, same batch, same process, alternating trials so that
-machine noise hits both. The workbench side is the real `loop.train` with MLflow tracking (sqlite),
-the progress bar and a checkpoint; the bare side is forward / backward / clip / AdamW step.
+machine noise hits both. The workbench side is the real `loop.train` as one rank runs it (the
+engine over a one-rank process group) with MLflow tracking (sqlite), the progress bar and a DCP
+checkpoint; the bare side is forward / backward / clip / AdamW step.
 Also measures the time from command start to the first training step of `python -m
 workbench.run` (a fresh process, cold imports) and the CPU seconds of that 2-step command, next to
 the same command with CPython's default garbage-collector thresholds (workbench/startup.py).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,10 +31,12 @@ from workbench.job import Job
 from workbench.submit import prepare_job
 from workbench.track.tracker import make_tracker
 from workbench.train import loop
-from workbench.train.checkpoint.whole import CheckpointDir
-from workbench.train.engine.local import LocalEngine
+from workbench.train.checkpoint.folder import CheckpointDir
+from workbench.train.checkpoint.names import layout_folder
+from workbench.train.engine.mesh_engine import make_engine
 from workbench.train.model import build, cross_entropy, flops_per_token
 from workbench.train.optimizer import lr_at, make_optimizer
+from workbench.train.parallel import comm
 
 WARMUP = 5
 
@@ -63,8 +67,7 @@ def bare_tokens_per_s(cfg, data, steps: int) -> float:
 def workbench_tokens_per_s(cfg, job: Job, steps: int) -> float:
     """The real loop, timed from the end of the warm-up steps to the end of the last step
     (logging, progress callback and the final checkpoint included; evaluation excluded)."""
-    for p in (Path(job.run_dir) / "checkpoints").glob("step_*"):
-        p.unlink()
+    shutil.rmtree(Path(job.run_dir) / "checkpoints", ignore_errors=True)
     marks = {}
 
     def on_step(step: int, _m) -> None:
@@ -73,14 +76,18 @@ def workbench_tokens_per_s(cfg, job: Job, steps: int) -> float:
         if step == steps - 1:
             marks["end"] = time.perf_counter()
 
-    engine = LocalEngine(build(cfg.model, cfg.train.seed), torch.device("cpu"))
     tracker = make_tracker(cfg.tracking, job.run_id, owns_metrics=True)
-    ctx = loop.LoopContext(cfg=cfg, layout=job.the_layout(), engine=engine, data=load(cfg.data),
-                           tracker=tracker, ckpt=CheckpointDir(Path(job.run_dir) / "checkpoints"),
-                           flops_per_token=flops_per_token(cfg.model),
-                           peak_flops_per_device=cfg.cluster.peak_fp32_flops, world_size=1,
-                           on_step=on_step)
-    loop.train(ctx)
+    counter = comm.ByteCounter()
+    with comm.process_group("cpu", 0, 1, counter):  # as the rank entry runs one process
+        engine = make_engine(build(cfg.model, cfg.train.seed), cfg, job.the_layout(), 0,
+                             torch.device("cpu"), counter)
+        ckpt = CheckpointDir(layout_folder(job.run_dir, job.layout), engine.bookkeeping)
+        ctx = loop.LoopContext(cfg=cfg, layout=job.the_layout(), engine=engine,
+                               data=load(cfg.data), tracker=tracker, ckpt=ckpt,
+                               flops_per_token=flops_per_token(cfg.model),
+                               peak_flops_per_device=cfg.cluster.peak_fp32_flops, world_size=1,
+                               on_step=on_step)
+        loop.train(ctx)
     tracker.close()
     return (steps - WARMUP) * cfg.train.global_batch * cfg.model.seq_len / (
         marks["end"] - marks["start"])

@@ -84,38 +84,39 @@ def copy_bytes_per_s(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 
 def powersgd_hook_s(cfg: Any, steps: int = 12) -> float:
-    """Seconds PowerSGD's hook adds to one rank's step, measured: DDP over a one-rank gloo group
-    with and without workbench's PowerSGD hook, in one bucket as the engine runs it (over one
-    rank its all-reduces move nothing, so the difference is the compression's compute). The
-    engine does not wrap one process in DDP, hence this separate measurement. The two models
-    step in turn and the figure is the median of the paired differences: other jobs that come
-    and go on the shared cores then slow both sides of a pair alike (measured one after the
-    other, the two medians once differed by nothing at all under load)."""
+    """Seconds PowerSGD's hook adds to one rank's step, measured: replication over a one-rank
+    gloo group with and without workbench's PowerSGD hook, in one bucket as the engine runs it
+    (over one rank its all-reduces move nothing, so the difference is the compression's
+    compute). The engine does not replicate one process, hence this separate measurement. The
+    two models step in turn and the figure is the median of the paired differences: other jobs
+    that come and go on the shared cores then slow both sides of a pair alike (measured one
+    after the other, the two medians once differed by nothing at all under load)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed._composable.replicate import replicate
 
-    from workbench.lowrank.powersgd import PowerSGD
+    from workbench.lowrank.powersgd import PowerSGD, hook
     from workbench.train.model import build
     from workbench.train.parallel.parallelize import ONE_BUCKET_MB
 
     store = dist.FileStore(tempfile.mktemp(prefix="wb-hook-"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        ddps = [DistributedDataParallel(build(cfg.model, cfg.train.seed),
-                                        bucket_cap_mb=ONE_BUCKET_MB) for _ in range(2)]
-        PowerSGD(ddps[1], cfg.lowrank.powersgd_rank, 2, cfg.train.seed)
+        models = [replicate(build(cfg.model, cfg.train.seed), bucket_cap_mb=ONE_BUCKET_MB)
+                  for _ in range(2)]
+        models[1].register_comm_hook(PowerSGD(models[1], None, cfg.lowrank.powersgd_rank, 2,
+                                              cfg.train.seed), hook)
         x = torch.randint(0, cfg.model.vocab, (MICRO_BATCH, cfg.model.seq_len + 1))
         diffs = []
         for i in range(steps):
             pair = []
-            for ddp in ddps:
+            for model in models:
                 t0 = time.perf_counter()
-                logits = ddp(x[:, :-1])
+                logits = model(x[:, :-1])
                 F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
                 pair.append(time.perf_counter() - t0)
-            if i >= 3:  # PowerSGD starts at its iteration 2; DDP rebuilds after the first
+            if i >= 3:  # PowerSGD starts at its iteration 2; the reducer rebuilds after the first
                 diffs.append(pair[1] - pair[0])
         return max(0.0, statistics.median(diffs))
     finally:

@@ -58,9 +58,8 @@ def main() -> int:
     ap.add_argument("run_dir")
     ap.add_argument("--thresholds", default="0.25,0.5,1,2")
     a = ap.parse_args()
-    # one process: step_N.pt; several: a folder per layout and step, rank 0's extras
-    ckpts = sorted(glob.glob(f"{a.run_dir}/checkpoints/step_*.pt")) or \
-        sorted(glob.glob(f"{a.run_dir}/checkpoints/*/step_*/extra_rank00000.pt"))
+    # a folder per layout and step; the low-rank hooks' state is in rank 0's extras
+    ckpts = sorted(glob.glob(f"{a.run_dir}/checkpoints/*/step_*/extra_rank00000.pt"))
     if not ckpts:
         print(f"error: {a.run_dir}: no checkpoint (run_dir of a finished run?)", file=sys.stderr)
         return 2

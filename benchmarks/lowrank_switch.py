@@ -40,8 +40,8 @@ def _run(args: tuple[str, list[str]]) -> dict[str, Any]:
     """One run, in its own process (spawned: a fresh torch per run), stopped after its switch."""
     run_dir, overrides = args
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from workbench.rank import run_job
     from workbench.submit import start
-    from workbench.train.main import run_job
 
     _, job = start([*overrides, f"train.run_dir={run_dir}"])
     marker = Path(run_dir) / "rank_map.json"

@@ -48,14 +48,21 @@ def test_wsd_is_stable_then_decays_1_sqrt_to_the_floor_and_constant_stays():
 
 
 def test_checkpoints_at_multiples_of_keep_every_are_kept_for_good(tmp_path):
-    from workbench.train.checkpoint.whole import CheckpointDir, expired
+    from workbench.train.checkpoint.folder import CheckpointDir, expired
+    from workbench.train.engine.bookkeeping import solo
 
     assert expired([3, 6, 9, 12, 15], keep=2) == [3, 6, 9]
     assert expired([3, 6, 9, 12, 15], keep=2, keep_every=6) == [3, 9]
-    ckpt = CheckpointDir(tmp_path, keep=1, keep_every=6)
+    ckpt = CheckpointDir(tmp_path, solo(), keep=1, keep_every=6)
     for step in (3, 6, 9, 12, 15):
         ckpt.save(step, {"step": step})
     assert ckpt.steps() == [6, 12, 15] and all(ckpt.verify(s) is None for s in ckpt.steps())
+
+
+def _ckpt(run_dir, step: int) -> Path:
+    """A run's checkpoint folder of `step` (in the one layout it ran in)."""
+    (found,) = Path(run_dir).glob(f"checkpoints/*/step_{step:08d}")
+    return found
 
 
 def _runs():
@@ -69,13 +76,12 @@ def _runs():
 
 def test_a_continued_run_repeats_its_parents_losses_and_resumes_as_itself(workdir, capsys):
     assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/parent"]) == 0
-    child = ["train.steps=12", "train.run_dir=runs/child", "train.init_from=runs/parent/"
-             "checkpoints/step_00000006.pt"]
+    child = ["train.steps=12", "train.run_dir=runs/child",
+             f"train.init_from={_ckpt('runs/parent', 6)}"]
     assert main(CONSTANT + child) == 0
     runs = _runs()
     parent, kid = runs["parent"].info.run_id, runs["child"]
-    assert kid.data.params["train.init_from"] == str(
-        workdir / "runs/parent/checkpoints/step_00000006.pt")
+    assert kid.data.params["train.init_from"] == str(workdir / _ckpt("runs/parent", 6))
     assert (kid.data.tags["wb.init_step"], kid.data.tags["wb.parent_run_id"]) == ("6", parent)
     theirs = metric_series(parent, "loss")
     assert metric_series(kid.info.run_id, "loss") == theirs[6:]  # bitwise, steps 6..11
@@ -86,8 +92,7 @@ def test_a_continued_run_repeats_its_parents_losses_and_resumes_as_itself(workdi
     assert main(CONSTANT + again) == 0
     assert "resuming run in" in capsys.readouterr().err and len(_runs()) == 2
     with pytest.raises(SystemExit) as e:
-        main(CONSTANT + child[:2] + ["train.init_from=runs/parent/checkpoints/"
-                                     "step_00000012.pt"])
+        main(CONSTANT + child[:2] + [f"train.init_from={_ckpt('runs/parent', 12)}"])
     assert e.value.code == 2 and "train.init_from" in capsys.readouterr().err
     # weights only: step 0, the warm-up again, from trained weights (a lower first loss)
     assert main(CONSTANT + ["train.steps=4", "train.run_dir=runs/w", "train.init_state=weights",
@@ -119,7 +124,7 @@ def parent(tmp_path_factory, cache_dir) -> Path:
     (["train.init_from=runs/parent", "model.family=gpt2"], "model.family"),
     (["train.init_from=runs/parent", "train.steps=12"], "train.steps"),
     (["train.init_from=runs/parent", "train.steps=20", "lowrank=adaptive"], "lowrank.mode"),
-    (["train.init_from=runs/parent/checkpoints/step_00000012.json"], "train.init_from"),
+    (["train.init_from=runs/parent/checkpoints"], "train.init_from"),  # no checkpoint
     (["train.decay_steps=5"], "train.decay_steps"),  # only a wsd schedule decays over steps
     (["train.lr_schedule=wsd", "train.steps=12", "train.decay_steps=10"], "train.decay_steps"),
     (["train.lr_schedule=linear"], "train.lr_schedule"),
@@ -150,16 +155,76 @@ def test_learned_positions_tie_the_checkpoint_to_its_sequence_length():
 
 def test_an_interrupted_checkpoint_is_not_started_from(workdir, capsys):
     assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/parent"]) == 0
-    (workdir / "runs/parent/checkpoints/step_00000012.json").unlink()  # killed mid-write
+    (_ckpt("runs/parent", 12) / "complete.json").unlink()  # killed mid-write
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        main(CONSTANT + ["train.run_dir=runs/bad", "train.init_from=runs/parent/checkpoints/"
-                         "step_00000012.pt", "train.steps=20"])
+        main(CONSTANT + ["train.run_dir=runs/bad", "train.steps=20",
+                         f"train.init_from={_ckpt('runs/parent', 12)}"])
     assert "writing finished" in capsys.readouterr().err
     # the folder means its newest complete checkpoint: step 6
     assert main(CONSTANT + ["train.run_dir=runs/b", "train.init_from=runs/parent",
                             "train.steps=8"]) == 0
     assert _runs()["b"].data.tags["wb.init_step"] == "6"
+
+
+def _as_old_whole_files(run_dir: Path, steps) -> None:
+    """Rewrite a run's checkpoints as the one-process engine of older versions wrote them:
+    checkpoints/step_N.pt (model, optimizer state keyed by position, RNG, step) with a sidecar
+    of its size and sha256; the checkpoint folders go."""
+    import hashlib
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    from workbench.job import Job
+    from workbench.train.model import build
+    from workbench.train.optimizer import make_optimizer
+
+    cfg = Job.load(run_dir).run_config()
+    for step in steps:
+        folder = _ckpt(run_dir, step)
+        dcp_to_torch_save(folder, run_dir / "named.pt")
+        named = torch.load(run_dir / "named.pt", weights_only=False)
+        model = build(cfg.model, cfg.train.seed)
+        optimizer = make_optimizer(list(model.parameters()), cfg)
+        model.load_state_dict(named["model"])
+        set_optimizer_state_dict(model, optimizer, named["optimizer"])
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    **torch.load(folder / "extra_rank00000.pt", weights_only=False)}, buf)
+        data = buf.getvalue()
+        path = run_dir / "checkpoints" / f"step_{step:08d}.pt"
+        path.write_bytes(data)
+        path.with_suffix(".json").write_text(json.dumps(
+            {"step": step, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    (run_dir / "named.pt").unlink()
+    shutil.rmtree(folder.parent)
+
+
+def test_an_old_whole_file_run_is_refused_and_continues_as_a_new_run(workdir, capsys):
+    """A run folder of an older version (whole-file checkpoints) is not resumed: one line, exit
+    2, naming the way on, `train.init_from`, which converts its checkpoint once into the new
+    run's `init/` and repeats the old run's losses from there, bitwise."""
+    assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/old"]) == 0
+    old = workdir / "runs/old"
+    _as_old_whole_files(old, [6, 12])
+    (old / "checkpoints/step_00000012.json").unlink()  # the newest one was cut short
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(CONSTANT + ["train.steps=12", "train.run_dir=runs/old"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after "resuming run in ..."
+    assert e.value.code == 2 and err.startswith("error: "), err
+    assert "whole-file checkpoints" in err and f"train.init_from={old}" in err, err
+    assert main(CONSTANT + ["train.steps=12", "train.run_dir=runs/new",
+                            "train.init_from=runs/old"]) == 0
+    runs = _runs()
+    assert runs["new"].data.tags["wb.init_step"] == "6"
+    assert (workdir / "runs/new/init/complete.json").exists()
+    assert metric_series(runs["new"].info.run_id, "loss") == \
+        metric_series(runs["old"].info.run_id, "loss")[6:]
+    assert runs["old"].info.status == "FINISHED"  # the refused resume recorded nothing
 
 
 README_BLOCK = "python -m workbench.run train.run_dir=runs/stable"
@@ -185,8 +250,8 @@ def test_the_readme_long_run_block_branches_and_continues_in_another_layout(work
     assert all(r.info.status == "FINISHED" for r in runs.values())
     stable, cool, wider, one = (runs[k].info.run_id for k in ("stable", "cool40", "stable-more",
                                                               "one"))
-    assert sorted(p.name for p in (clone / "runs/stable/checkpoints").glob("*.pt")) == [
-        f"step_{s:08d}.pt" for s in (20, 40, 50, 60)]  # keep_every=20, and the newest 2
+    assert sorted(p.name for p in (clone / "runs/stable/checkpoints").glob("*/step_*")) == [
+        f"step_{s:08d}" for s in (20, 40, 50, 60)]  # keep_every=20, and the newest 2
     # the cool-down: its first forward is on the parent's step-40 weights and batch; its rate
     # decays 1-sqrt to the floor over steps 40..49
     assert metric_series(cool, "loss")[0] == metric_series(stable, "loss")[40]

@@ -226,22 +226,18 @@ def test_grow_to_budget_keeps_proportions_and_the_savings_target():
 
 
 def test_layers_left_dense_keep_their_optimizer_state():
-    from workbench.lowrank.controller import dense_state, restore_dense_state
+    from workbench.lowrank.cuttlefish import dense_state, restore_dense_state
     from workbench.train.model import build
-
-    class View:  # what the controller reads of an engine: the model it trains
-        def __init__(self, model):
-            self.view = model
 
     model = build(_tiny(3), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (2, 33))
     model(x[:, :-1]).sum().backward()
     opt.step()
-    kept = dense_state(View(model), opt)
+    kept = dense_state(model, opt)
     F.convert(model, {"layers.1.feed_forward.w1": 8})
     new = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    restore_dense_state(View(model), new, kept)
+    restore_dense_state(model, new, kept)
     names = dict(model.named_parameters())
     emb = names["tok_embeddings.weight"]
     assert torch.equal(new.state[emb]["exp_avg_sq"], kept["tok_embeddings.weight"][1]["exp_avg_sq"])
@@ -267,30 +263,31 @@ def test_candidates_skip_embeddings_head_norms_and_outer_blocks():
 
 
 def test_byte_accounting():
-    from workbench.train.model import build, n_params
+    from workbench.train.model import build, n_params, trainable_params
 
     cfg = _tiny(4, tie=True)
     model = build(cfg, seed=0)
-    assert F.trainable_params(model) == n_params(cfg)  # tied head counted once
-    assert F.dp_grad_bytes(model) == 4 * n_params(cfg)
+    assert trainable_params(model) == n_params(cfg)  # tied head counted once
     low = F.LowRankLinear(64, 192, 8, bias=True)
-    assert F.trainable_params(low) == 8 * (64 + 192) + 192
-    before = F.trainable_params(model)
+    assert trainable_params(low) == 8 * (64 + 192) + 192
+    before = trainable_params(model)
     F.convert(model, {"layers.1.feed_forward.w1": 8})  # 64 -> 192 dense becomes rank 8
-    assert F.trainable_params(model) == before - 64 * 192 + 8 * (64 + 192)
-    assert F.dp_grad_bytes(model, bytes_per_elem=2) == 2 * F.trainable_params(model)
+    assert trainable_params(model) == before - 64 * 192 + 8 * (64 + 192)
 
 
 def test_tp_plan_shards_factors_like_their_base():
+    """A factorized layer gives its own plan (LowRankLinear.tp_plan), which parallelize puts
+    where the dense layer's entry was."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from workbench.train.model import build
+    from workbench.train.parallel.parallelize import adapt_tp_plan
 
     model = build(_tiny(3), seed=0)
     F.convert(model, {"layers.1.attention.wq": 4, "layers.1.attention.wo": 4})
     plan = {"layers.1.attention.wq": ColwiseParallel(), "layers.1.attention.wo":
             RowwiseParallel(), "layers.1.attention.wk": ColwiseParallel()}
-    out = F.adapt_tp_plan(model, plan, sequence_parallel=False)
+    out = adapt_tp_plan(model, plan, sequence_parallel=False)
     assert set(out) == {"layers.1.attention.wq.u", "layers.1.attention.wo.v",
                         "layers.1.attention.wk"}
     assert isinstance(out["layers.1.attention.wq.u"], ColwiseParallel)
@@ -306,8 +303,8 @@ TINY = ["model.n_layers=4", "model.hidden=64", "model.ffn_hidden=192", "model.se
 
 
 def _train(run_dir, steps: int, stop_after=None):
+    from workbench.rank import run_job
     from workbench.submit import start
-    from workbench.train.main import run_job
 
     _, job = start(TINY + [f"train.steps={steps}", f"train.run_dir={run_dir}"])
     stop = None
@@ -319,7 +316,13 @@ def _train(run_dir, steps: int, stop_after=None):
 
 
 def _final_state(run_dir, steps):
-    return torch.load(run_dir / "checkpoints" / f"step_{steps:08d}.pt", weights_only=False)
+    """The checkpoint of `steps` as one dict: model and optimizer from DCP, rank 0's rest."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (folder,) = (run_dir / "checkpoints").glob(f"*/step_{steps:08d}")
+    dcp_to_torch_save(folder, run_dir / "final.pt")
+    state = torch.load(run_dir / "final.pt", weights_only=False)
+    return {**state, **torch.load(folder / "extra_rank00000.pt", weights_only=False)}
 
 
 def test_switch_happens_and_resume_across_it_is_bitwise(workdir):

@@ -1,5 +1,5 @@
 """Fixed low-rank training after the switch under FSDP2 (dp_shard=2), tensor parallelism (tp=2, no
-sequence parallel) and context parallelism (cp=2) on 2 gloo ranks: the controller rebuilds the
+sequence parallel) and context parallelism (cp=2) on 2 gloo ranks: the low-rank hooks rebuild the
 engine from a full state dict and parallelizes the factorized model again. Per-step losses equal
 the single-process run of the same config (1e-4 relative), the switch happens at the same step,
 and FSDP moves fewer bytes per step once the blocks are factorized.

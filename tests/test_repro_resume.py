@@ -53,9 +53,14 @@ def test_other_seed_gives_other_losses(workdir):
     assert metric_series(a, "loss") != metric_series(b, "loss")
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+def _complete(run_dir: Path, step: int) -> list:
+    """The completion record of a run's checkpoint of `step`, if written (in any layout)."""
+    return list(run_dir.glob(f"checkpoints/*/step_{step:08d}/complete.json"))
+
+
+def _wait_for(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
     t0 = time.time()
-    while not path.exists():
+    while not _complete(run_dir, step):
         assert proc.poll() is None, proc.communicate()
         assert time.time() - t0 < timeout_s
         time.sleep(0.05)
@@ -76,10 +81,10 @@ def test_sigkill_then_restart_resumes_bitwise_without_duplicate_steps(workdir):
     proc = subprocess.Popen([sys.executable, "-m", "workbench.run", *args,
                              f"train.run_dir={run_dir}"], cwd=workdir,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _wait_for(run_dir / "checkpoints" / "step_00000010.json", proc)
+    _wait_for(run_dir, 10, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (run_dir / "checkpoints" / "step_00000040.json").exists(), "finished too early"
+    assert not _complete(run_dir, 40), "finished too early"
     killed = [r for r in _runs() if r.info.run_id != ref][0].info.run_id
 
     out = cli("workbench.run", [f"train.run_dir={run_dir}"], workdir)
@@ -102,20 +107,21 @@ def test_corrupt_checkpoint_falls_back_to_previous_good_one(workdir):
     assert main(args) == 0
     run_id = _runs()[0].info.run_id
     before = metric_series(run_id, "loss")
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*.pt"))
-    assert [p.name for p in ckpts] == ["step_00000008.pt", "step_00000012.pt"]
-    data = bytearray(ckpts[-1].read_bytes())
+    ckpts = sorted((run_dir / "checkpoints").glob("*/step_*"))
+    assert [p.name for p in ckpts] == ["step_00000008", "step_00000012"]
+    shard = max(ckpts[-1].glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    ckpts[-1].write_bytes(bytes(data))
+    shard.write_bytes(bytes(data))
 
     out = cli("workbench.train", [str(run_dir / "job.json")], workdir)
     assert out.returncode == 0, out.stderr
-    assert "step_00000012.pt: sha256 mismatch" in out.stderr
+    assert f"step_00000012: {shard.name}: sha256 mismatch" in out.stderr
     assert "resumed from checkpoint at step 8" in out.stderr
     assert metric_series(run_id, "loss") == before
 
     # Truncate both: nothing valid is left, so it refuses rather than silently starting over.
-    for p in sorted((run_dir / "checkpoints").glob("step_*.pt")):
+    for p in sorted((run_dir / "checkpoints").glob("*/step_*/*.distcp")):
         p.write_bytes(p.read_bytes()[:100])
     out = cli("workbench.train", [str(run_dir / "job.json")], workdir)
     assert out.returncode == 2

@@ -155,3 +155,31 @@ def test_the_planner_lives_in_rooms():
     in its rooms (cost/, search/, pools/, accuracy/), one concept each."""
     direct = sorted(p.name for p in (PKG / "plan").glob("*.py"))
     assert len(direct) <= 12, direct
+
+
+def test_lowrank_and_train_meet_only_at_the_hook_interface():
+    """Low-rank training plugs into the trainer through its hooks: workbench.lowrank imports
+    nothing of workbench.train but the hook module, and no module of workbench.train reaches
+    workbench.lowrank, even through others (the hooks are chosen above both, in
+    workbench/rank.py, which `python -m workbench.train`, the one command there, runs)."""
+    mods = _modules()
+    graph = {name: _imports(name, path, set(mods)) for name, path in mods.items()}
+    in_lowrank = [n for n in graph if n.startswith("workbench.lowrank")]
+    up = {n: sorted(t for t in graph[n] if t.startswith("workbench.train")
+                    and t not in ("workbench.train", "workbench.train.hooks"))
+          for n in in_lowrank}
+    assert in_lowrank and {n: t for n, t in up.items() if t} == {}
+
+    def reach(name: str) -> set[str]:
+        seen, todo = set(), [name]
+        while todo:
+            for t in graph[todo.pop()] - seen:
+                seen.add(t)
+                todo.append(t)
+        return seen
+
+    in_train = [n for n in graph if n.startswith("workbench.train")
+                and n != "workbench.train.__main__"]
+    down = {n: sorted(t for t in reach(n) if t.startswith("workbench.lowrank"))
+            for n in in_train}
+    assert in_train and {n: t for n, t in down.items() if t} == {}

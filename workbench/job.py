@@ -26,7 +26,7 @@ JOB_NAME = "job.json"
 FINAL_METRICS = "final_metrics.json"
 # What a job runs on every rank, by kind: the module each launcher starts with `python -m`, and
 # the module whose `run_job(job, progress, stop_requested)` an in-process rank calls.
-ENTRIES = {"train": ("workbench.train", "workbench.train.main"),
+ENTRIES = {"train": ("workbench.train", "workbench.rank"),
            "profile": ("workbench.profile.worker", "workbench.profile.worker")}
 
 

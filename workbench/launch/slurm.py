@@ -1,7 +1,7 @@
 """The Slurm launcher: submitit's executor around the one rank entry point.
 
 Each Slurm task is one rank. It runs `TrainTask(job_file)`, which exports the torch.distributed
-rendezvous from the Slurm environment, then calls `workbench.train.main.run_job` on the job file,
+rendezvous from the Slurm environment, then calls `workbench.rank.run_job` on the job file,
 exactly as the local and torchrun launchers do. A time-limit (USR2, from `--signal`) or preemption
 (TERM) signal only raises a flag; the training loop polls it between steps, writes a checkpoint
 and returns, and then the task requeues itself through submitit (USR2) or lets Slurm requeue it

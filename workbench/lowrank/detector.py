@@ -1,5 +1,5 @@
 """When to switch to low rank: pure arithmetic over per-layer signal trajectories, kept apart
-from the controller so that it is unit-testable without a model.
+from the loop hooks (cuttlefish.py) so that it is unit-testable without a model.
 
 Everything is measured in units of training progress, not checks: a layer's signal (a level
 normalized to its full rank, e.g. the rank it would get now / min(m, n)) becomes a rate of
@@ -14,9 +14,9 @@ A latched layer stays latched (Cuttlefish): a settled layer's rank jitters by a 
 then, and re-opening it would let the slowest, noisiest layer hold the switch back forever.
 When all but a few layers have latched (at most `straggler_frac` of them, and at least one, are
 open), the rest get a threshold multiplied by `straggler_relax`, so that a few slow layers delay
-the switch a little, not to the cap. A share, not a count: on the 14M model three of 42 layers
-(the value projections, still shrinking at 0.7-0.9% of full rank per 1% of training) held its
-switch to the cap when only one straggler was allowed.
+the switch a little, not to the cap. A share, not a count: a few slow layers of one kind (the
+value projections, say) held the switch of a model of many layers to the cap when only one
+straggler was allowed (the README's low-rank section has the case).
 """
 
 from __future__ import annotations

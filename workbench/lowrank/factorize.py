@@ -8,7 +8,7 @@ Ranks follow the stable rank ||W||_F^2 / sigma_max^2, a smooth, cheap proxy of h
 directions a layer actually uses (Cuttlefish, Wang et al. 2023). sigma_max comes from a few
 power iterations warm-started from the previous check, so a check costs a few matrix-vector
 products instead of an SVD. How a stable rank becomes a rank is torch-free arithmetic shared
-with the planner (ranks.py); when to switch lives in detector.py and controller.py.
+with the planner (ranks.py); when to switch lives in detector.py and cuttlefish.py.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ import torch
 from torch import nn
 
 from workbench.config import LowRankConfig
+from workbench.errors import ConfigError
 from workbench.lowrank.ranks import LayerShape
-from workbench.train.model import trainable_params
 
 # Linear layers of a block that may be factorized; the tensor-parallel style of each base
-# layer decides how its factors are sharded (see tp_styles).
+# layer decides how its factors are sharded (LowRankLinear.tp_plan).
 _CANDIDATE = re.compile(r"^layers\.(\d+)\.(attention\.w[qkvo]|feed_forward\.w[123])$")
-COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-ROWWISE = ("attention.wo", "feed_forward.w2")
 COLD_ITERS = 30  # power iterations of a probe's first estimate (no previous vector to start from)
 
 
@@ -54,6 +52,28 @@ class LowRankLinear(nn.Module):
     def product(self) -> torch.Tensor:
         """U V, the dense weight this layer represents (out x in)."""
         return self.u.weight @ self.v.weight
+
+    def tp_plan(self, base_style: object, sequence_parallel: bool) -> dict[str, object]:
+        """Tensor-parallel styles for the factors, consistent with `base_style`, the plan of
+        the dense layer this one replaced (parallelize asks every module that has this method):
+
+        - column-wise base (output split over tp): `u` column-wise (its output dim sharded),
+          `v` replicated; the all-reduce of the r-wide activation gradient replaces the one
+          the base layer's input would have needed.
+        - row-wise base (input split): `v` row-wise (its input dim sharded, the r-wide partial
+          sum all-reduced: cheaper than the base's out-wide one), `u` replicated."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if sequence_parallel:
+            raise ConfigError("layout.sequence_parallel", True, "low-rank layers under tensor "
+                              "parallelism support sequence_parallel=false only (the "
+                              "replicated factor would need SP-aware gradients)")
+        if isinstance(base_style, ColwiseParallel):
+            return {"u": ColwiseParallel(input_layouts=Replicate())}
+        if isinstance(base_style, RowwiseParallel):
+            return {"v": RowwiseParallel(output_layouts=Replicate())}
+        raise ValueError(f"no factor plan for a base style {type(base_style).__name__}")
 
 
 @torch.no_grad()
@@ -158,52 +178,29 @@ def factor_params(model: nn.Module) -> list[nn.Parameter]:
             for p in (m.u.weight, m.v.weight)]
 
 
-def dp_grad_bytes(model: nn.Module, bytes_per_elem: int = 4) -> int:
-    """What one data-parallel gradient all-reduce moves per rank and step (payload): every
-    trainable parameter once, at the gradient's width. DDP's measured comm/allreduce_bytes
-    is this number; the planner predicts it from shapes."""
-    return trainable_params(model) * bytes_per_elem
+@torch.no_grad()
+def frobenius_decay(model: nn.Module, coef: float) -> None:
+    """Decoupled decay of ||U V||_F^2 / 2 on every factorized layer: U -= coef (U V) V^T,
+    V -= coef U^T (U V).
 
+    Weight decay on each factor would shrink U and V separately and push the pair to
+    unbalanced scales; decaying their product regularizes the function the layer computes,
+    as weight decay did on the dense layer (Pufferfish/Cuttlefish)."""
+    if coef == 0:
+        return
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-def tp_styles(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
-    """Tensor-parallel styles for the factors of every low-rank layer, consistent with the
-    plan of the dense layer it replaced:
-
-    - column-wise base (output split over tp): `u` column-wise (its output dim sharded), `v`
-      replicated; the all-reduce of the r-wide activation gradient replaces the one the
-      base layer's input would have needed.
-    - row-wise base (input split): `v` row-wise (its input dim sharded, the r-wide partial sum
-      all-reduced: cheaper than the base's out-wide one), `u` replicated."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if sequence_parallel:
-        from workbench.errors import ConfigError
-
-        raise ConfigError("layout.sequence_parallel", True,
-                          "low-rank layers under tensor parallelism support sequence_parallel="
-                          "false only (the replicated factor would need SP-aware gradients)")
-    plan: dict[str, object] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, LowRankLinear):
+    for m in model.modules():
+        if not isinstance(m, LowRankLinear):
             continue
-        if name.endswith(COLWISE):
-            plan[f"{name}.u"] = ColwiseParallel(input_layouts=Replicate())
-        elif name.endswith(ROWWISE):
-            plan[f"{name}.v"] = RowwiseParallel(output_layouts=Replicate())
-    return plan
-
-
-def adapt_tp_plan(model: nn.Module, plan: dict[str, object],
-                  sequence_parallel: bool) -> dict[str, object]:
-    """The dense tp plan with every entry that names a low-rank layer replaced by its
-    factors' styles (a no-op for a model without low-rank layers)."""
-    low = {n for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
-    if not low:
-        return plan
-    out = {k: v for k, v in plan.items() if k not in low}
-    out.update(tp_styles(model, sequence_parallel))
-    return out
+        u, v = full_weight(m.u.weight), full_weight(m.v.weight)
+        w = u @ v
+        du, dv = coef * (w @ v.T), coef * (u.T @ w)
+        for p, d in ((m.u.weight, du), (m.v.weight, dv)):
+            if isinstance(p, DTensor):
+                p.sub_(distribute_tensor(d, p.device_mesh, p.placements, src_data_rank=None))
+            else:
+                p.sub_(d)
 
 
 def shapes(pairs: list[tuple[str, nn.Linear]]) -> list[LayerShape]:

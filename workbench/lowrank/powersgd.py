@@ -1,4 +1,5 @@
-"""PowerSGD (Vogels et al. 2019) as a DDP comm hook whose state survives a restart bitwise.
+"""PowerSGD (Vogels et al. 2019) as a DDP comm hook whose state survives a restart bitwise, and
+the loop hooks that register it on the engine's replicated modules.
 
 PyTorch's `powerSGD_hook` keeps its state (error feedback, warm-started Q matrices) per DDP
 bucket index, as flat tensors in that bucket's layout. DDP builds its buckets twice: in
@@ -13,6 +14,7 @@ depend on how parameters are grouped into buckets.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -21,22 +23,25 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from workbench import compat
+from workbench.errors import ConfigError
+from workbench.lowrank.saved import KEY, saved_state
+from workbench.train.hooks import HookContext, LoopHooks
 
 
 class PowerSGD:
-    """One DDP module's PowerSGD: PyTorch's state object plus per-parameter error and Q."""
+    """One replicated module's PowerSGD: PyTorch's state object plus per-parameter error and Q;
+    registered with `hook` as the module's comm hook (over `group`, its replication group)."""
 
-    def __init__(self, ddp: nn.Module, rank: int, start_iter: int, seed: int):
+    def __init__(self, module: nn.Module, group: Any, rank: int, start_iter: int, seed: int):
         self.state = psgd.PowerSGDState(
-            process_group=ddp.process_group, matrix_approximation_rank=rank,
+            process_group=group, matrix_approximation_rank=rank,
             start_powerSGD_iter=start_iter, use_error_feedback=True, warm_start=True,
             random_seed=seed)
-        self.names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self.names = {id(p): n for n, p in module.named_parameters()}
         self.error: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
         # per bucket index: the parameter names PyTorch's state is laid out for, and their Qs
         self._buckets: dict[int, tuple[list[str], list[tuple[str, int, int]]]] = {}
-        ddp.register_comm_hook(self, _hook)
 
     def _q_layout(self, names: list[str], grads: list[torch.Tensor]) -> list[tuple[str, int, int]]:
         """(name, Q length, P length) of the compressed tensors, in the order the hook packs
@@ -71,9 +76,9 @@ class PowerSGD:
         # bucket, one bucket's callbacks and the next bucket's all-reduce can reach gloo in a
         # different order on each rank (a collective mismatch). Waiting keeps every rank's
         # order identical; on the CPU there is no compute to overlap with anyway. Each wait
-        # stops the backward until every rank has arrived, so the engine gives DDP one bucket
-        # for PowerSGD (parallelize.ddp_bucket_cap_mb): one such stop per step, not one per
-        # 25 MB of gradients.
+        # stops the backward until every rank has arrived, so the engine gives replication one
+        # bucket for PowerSGD on CPU ranks (parallelize.ddp_bucket_cap_mb): one such stop per
+        # step, not one per 25 MB of gradients.
         fut = psgd.powerSGD_hook(st, bucket)
         fut.wait()
         if idx in st.error_dict:
@@ -97,5 +102,32 @@ class PowerSGD:
         self._buckets.clear()
 
 
-def _hook(state: PowerSGD, bucket):  # DDP checks annotations: none, or real types
+def hook(state: PowerSGD, bucket):  # DDP checks annotations: none, or real types
     return state.run(bucket)
+
+
+class PowerSGDHooks(LoopHooks):
+    """`lowrank.mode=powersgd`: compress data-parallel gradients; the model stays dense. The
+    hooks' state (each rank's error feedback and Qs) rides in every checkpoint."""
+
+    def __init__(self, ctx: HookContext):
+        self.ctx, self.lr = ctx, ctx.cfg.lowrank
+        self.states: list[PowerSGD] = []
+
+    def prepare(self, ckpt: Any) -> None:
+        engine, lr, seed = self.ctx.engine, self.lr, self.ctx.cfg.train.seed
+        self.states = engine.register_comm_hook(
+            lambda module, group: PowerSGD(module, group, lr.powersgd_rank,
+                                           max(2, lr.powersgd_start_iter), seed), hook)
+        if not self.states:
+            if engine.dp_size > 1:
+                raise ConfigError("lowrank.mode", "powersgd",
+                                  "PowerSGD is a DDP comm hook: use layout=ddp")
+            print("warning: lowrank.mode=powersgd on one process: nothing to compress",
+                  file=sys.stderr)
+        state = saved_state(ckpt, "powersgd")
+        for one, saved in zip(self.states, (state or {}).get("powersgd", [])):
+            one.load_state_dict(saved)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {KEY: {"mode": "powersgd", "powersgd": [s.state_dict() for s in self.states]}}

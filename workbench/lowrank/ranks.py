@@ -81,8 +81,8 @@ def grow_to_budget(ranks: dict[str, int], layers: list[LayerShape], total_params
     of `total_params`), so that the layers keep the proportions the stable ranks gave them.
 
     Why: the stable-rank rule says which layers need more rank than others, not how much
-    rank the model can afford; on the 14M model it saved 63% of the bytes where 50% was the
-    goal, and the truncation at the switch is what the low-rank run pays for in loss. The
+    rank the model can afford; it can save well past the goal (the README's low-rank section
+    has a case), and the truncation at the switch is what the low-rank run pays for in loss. The
     extra rank keeps the next singular directions (more of each layer's energy) at a bytes
     cost the user sets. A rank stops at the largest that still saves parameters; a map that
     already misses the target is returned unchanged (never shrunk)."""

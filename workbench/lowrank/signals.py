@@ -28,8 +28,7 @@ SIGNALS = ("rank", "stable_rank", "energy_rank", "subspace")
 def _gram(w: torch.Tensor) -> torch.Tensor:
     """W^T W or W W^T, whichever is smaller: its eigenpairs are W's squared singular values
     and singular vectors of the smaller side, at a fraction of an SVD's cost (in float32: an
-    energy share of 0.9 and a top-k subspace need no more, and a check of the 14M model's 42
-    layers costs ~1 s instead of ~2)."""
+    energy share of 0.9 and a top-k subspace need no more)."""
     return w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T
 
 
@@ -58,7 +57,7 @@ def overlap(prev: torch.Tensor, now: torch.Tensor) -> float:
 
 class LayerSignals:
     """One layer's signal state between checks: its initial weight, last top-k basis and
-    cumulative subspace travel (the stable-rank probe stays with the controller)."""
+    cumulative subspace travel (the stable-rank probe stays with measure.py)."""
 
     def __init__(self, w0: torch.Tensor):
         self.w0 = w0.detach().to("cpu", torch.float32).clone()

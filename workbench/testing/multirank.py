@@ -22,14 +22,18 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from workbench.config import RunConfig, compute_dtype
+from workbench.config import RunConfig
 from workbench.data.corpus import TokenData
 from workbench.layout import Layout
-from workbench.lowrank.controller import make_hooks
+from workbench.rank import hooks_for
 from workbench.track.tracker import NullTracker
 from workbench.train import loop
+from workbench.train.checkpoint.folder import CheckpointDir
+from workbench.train.engine.bookkeeping import solo
+from workbench.train.engine.mesh_engine import make_engine
+from workbench.train.main import hook_context
 from workbench.train.model import build, flops_per_token
-from workbench.train.optimizer import make_optimizer
+from workbench.train.parallel import comm
 from workbench.train.parallel.comm import ByteCounter
 
 
@@ -60,7 +64,7 @@ class _NoCheckpoints:
     def steps(self) -> List[int]:
         return []
 
-    def peek(self, key: str) -> None:  # the low-rank controller peeks for a checkpoint
+    def peek(self, key: str) -> None:  # low-rank hooks peek for their saved state
         return None
 
 
@@ -72,7 +76,7 @@ def weight_fingerprint(named: Dict[str, torch.Tensor]) -> Dict[str, str]:
 
 def param_dtypes(engine: Any) -> List[str]:
     """The dtypes the engine keeps its parameters in (bf16 compute keeps fp32 masters)."""
-    return sorted({str(p.dtype) for p in engine.parameters()})
+    return sorted({str(p.dtype) for p in engine.view.parameters()})
 
 
 def _record(history: List[Dict[str, float]]):
@@ -95,53 +99,52 @@ def max_rel_loss_err(history: List[Dict[str, float]], ref_losses: List[float]) -
     return max(abs(h["loss"] - r) / abs(r) for h, r in zip(history, ref_losses))
 
 
+def _context(cfg: RunConfig, layout: Layout, data: TokenData, engine: Any, ckpt: Any,
+             world_size: int, history: List[Dict[str, float]]) -> loop.LoopContext:
+    """A run's loop context as the rank entry builds it, with the hooks its config asks for,
+    no tracking and every step's metrics recorded into `history`."""
+    ctx = loop.LoopContext(cfg=cfg, layout=layout, engine=engine, data=data,
+                           tracker=NullTracker(), ckpt=ckpt,
+                           flops_per_token=flops_per_token(cfg.model),
+                           peak_flops_per_device=cfg.cluster.peak_fp32_flops,
+                           world_size=world_size, on_step=_record(history))
+    ctx.hooks = hooks_for(hook_context(ctx, NullTracker(), ""))
+    return ctx
+
+
 def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
                ) -> Dict[str, Any]:
-    """The reference: world size 1 through the same loop (LocalEngine, whole-file checkpoints)."""
-    from workbench.train.checkpoint.whole import CheckpointDir
-    from workbench.train.engine.local import LocalEngine
-
-    model = build(cfg.model, cfg.train.seed)
-    engine = LocalEngine(model, torch.device("cpu"), compute_dtype(cfg.train, cfg.cluster),
-                         layout.recompute, cfg.train.compile)
-    history: List[Dict[str, float]] = []
-    ctx = loop.LoopContext(cfg=cfg, layout=layout, engine=engine, data=data,
-                           tracker=NullTracker(), ckpt=CheckpointDir(Path(ckpt_dir)),
-                           flops_per_token=flops_per_token(cfg.model),
-                           peak_flops_per_device=cfg.cluster.peak_fp32_flops, world_size=1,
-                           on_step=_record(history),
-                           hooks=make_hooks(cfg, engine, NullTracker(), ""))
-    last = loop.train(ctx)
-    return {"history": history, "last": last, "param_dtypes": param_dtypes(engine),
-            "weights": weight_fingerprint(dict(engine.view.state_dict()))}
+    """The reference: world size 1 through the same loop and engine, in this process (a
+    process group of one rank for the duration)."""
+    counter = ByteCounter()
+    with comm.process_group("cpu", 0, 1, counter):
+        engine = make_engine(build(cfg.model, cfg.train.seed), cfg, layout, 0,
+                             torch.device("cpu"), counter)
+        history: List[Dict[str, float]] = []
+        ctx = _context(cfg, layout, data, engine,
+                       CheckpointDir(Path(ckpt_dir), engine.bookkeeping), 1, history)
+        last = loop.train(ctx)
+        return {"history": history, "last": last, "param_dtypes": param_dtypes(engine),
+                "weights": weight_fingerprint(dict(engine.view.state_dict()))}
 
 
 def _run_case(case: Case, data: TokenData, rank: int, world_size: int,
               counter: ByteCounter) -> Dict[str, Any]:
-    from workbench.train.checkpoint.sharded import DistCheckpointDir
-    from workbench.train.engine.parallel import make_parallel_engine
-
     cfg = case.cfg
     if case.keep_up_to_step is not None:  # as if the run had been killed after that step
         _drop_checkpoints_after(case.ckpt_dir, case.keep_up_to_step, rank)
     model = build(cfg.model, cfg.train.seed)
-    engine = make_parallel_engine(model, cfg, case.layout, rank, torch.device("cpu"), counter)
+    engine = make_engine(model, cfg, case.layout, rank, torch.device("cpu"), counter)
     history: List[Dict[str, float]] = []
-    ctx = loop.LoopContext(cfg=cfg, layout=case.layout, engine=engine, data=data,
-                           tracker=NullTracker(),
-                           ckpt=DistCheckpointDir(case.ckpt_dir, cfg.train.keep_ckpts, rank)
-                           if case.ckpt_dir else _NoCheckpoints(),
-                           flops_per_token=flops_per_token(cfg.model),
-                           peak_flops_per_device=cfg.cluster.peak_fp32_flops,
-                           world_size=world_size, on_step=_record(history),
-                           hooks=make_hooks(cfg, engine, NullTracker(), ""))
+    ckpt = CheckpointDir(case.ckpt_dir, engine.bookkeeping, cfg.train.keep_ckpts) \
+        if case.ckpt_dir else _NoCheckpoints()
+    ctx = _context(cfg, case.layout, data, engine, ckpt, world_size, history)
     out: Dict[str, Any] = {"is_main": engine.is_main, "history": history,
                            "param_dtypes": param_dtypes(engine)}
     if case.train:
         out["last"] = {k: float(v) for k, v in loop.train(ctx).items()}
     else:
-        optimizer = make_optimizer(engine.parameters(), cfg)
-        out["resumed_at"] = loop.resume(ctx, optimizer)
+        out["resumed_at"] = loop.resume(ctx, loop.new_optimizer(ctx))
     if case.fingerprint:
         out["weights"] = weight_fingerprint(engine.full_state_dict())
     return out
@@ -152,9 +155,7 @@ def _drop_checkpoints_after(folder: str, step: int, rank: int) -> None:
 
     import torch.distributed as dist
 
-    from workbench.train.checkpoint.sharded import DistCheckpointDir
-
-    ckpt = DistCheckpointDir(folder)
+    ckpt = CheckpointDir(folder, solo())  # only lists and deletes: no collective
     if rank == 0:
         for s in ckpt.steps():
             if s > step:
@@ -168,7 +169,6 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
     import torch.distributed as dist
 
     from workbench.startup import fewer_gc_passes
-    from workbench.train.parallel import comm
 
     fewer_gc_passes()  # as a real rank does (workbench/train/__main__.py)
 
@@ -184,9 +184,8 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
     torch.set_num_threads(1)
     counter = ByteCounter()
     # A short collective timeout turns a hang (a rank that failed alone) into an error.
-    comm.init_process_group("cpu", rank, world_size, counter, timeout_s=collective_timeout_s,
-                            store=dist.FileStore(store_path, world_size))
-    try:
+    with comm.process_group("cpu", rank, world_size, counter, timeout_s=collective_timeout_s,
+                            store=dist.FileStore(store_path, world_size)):
         for i, case in enumerate(cases):
             try:
                 result = _run_case(case, data, rank, world_size, counter)
@@ -195,8 +194,6 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
                           "traceback": traceback.format_exc()}
                 dist.barrier()
             Path(out_dir, f"case{i:03d}_rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_cases(world_size: int, cases: List[Case], data: TokenData,

@@ -1,4 +1,5 @@
-"""`python -m workbench.train JOB_FILE`: the rank entry point."""
+"""`python -m workbench.train JOB_FILE`: the rank entry point (workbench/rank.py: the training
+loop with the features the job's config asks for)."""
 
 from workbench.startup import fewer_gc_passes
 
@@ -9,7 +10,7 @@ from typing import List  # noqa: E402
 
 from workbench.cli import guarded  # noqa: E402
 from workbench.job import Job  # noqa: E402
-from workbench.train.main import run_job  # noqa: E402
+from workbench.rank import run_job  # noqa: E402
 
 
 @guarded

@@ -6,19 +6,17 @@ another layout or world size, or start a new corpus from trained weights. Each i
 own folder and MLflow run) whose lineage is recorded: tags `wb.init_from` (the checkpoint),
 `wb.init_step` and `wb.parent_run_id`.
 
-The driver resolves what the user named (a run folder: its newest whole checkpoint; or one
+The driver resolves what the user named (a run folder: its newest complete checkpoint; or one
 checkpoint) to one checkpoint before anything is recorded, so the job file, a retry and a rerun
 all start from the same weights while the parent run goes on writing checkpoints. Ranks load it
-through torch.distributed.checkpoint keyed by parameter name, which reshards into any layout: a
-parent's sharded checkpoint is read where it is; a whole-file one (one process) is converted once
-into the new run's folder (`init/`), since its optimizer state is keyed by position.
+through torch.distributed.checkpoint keyed by parameter name, which reshards into any layout and
+world size, from where it is. Only a whole-file checkpoint of an older version is converted,
+once, into the new run's folder (`init/`, checkpoint/legacy.py).
 """
 
 from __future__ import annotations
 
-import re
 import sys
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -26,18 +24,25 @@ from typing import Dict, Optional, Tuple
 from workbench.config import RunConfig
 from workbench.errors import ConfigError
 from workbench.job import JOB_NAME, Job
+from workbench.train.checkpoint.names import (
+    COMPLETE,
+    in_any_layout,
+    is_whole_file,
+    looks_complete,
+    newest_whole_file,
+    step_folders,
+    step_of,
+)
 
-_WHOLE = re.compile(r"step_(\d{8})\.pt$")
-_SHARDED = re.compile(r"step_(\d{8})$")
 KEY = "train.init_from"
-VALID = ("a run folder, or one of its checkpoints (checkpoints/step_N.pt or "
+VALID = ("a run folder, or one of its checkpoints (checkpoints/step_N, or "
          "checkpoints/LAYOUT/step_N)")
-CONVERTED = "init"  # the new run's copy of a whole-file checkpoint, as sharded state
+CONVERTED = "init"  # the new run's copy of an old whole-file checkpoint, keyed by name
 
 
 @dataclass(frozen=True)
 class InitPoint:
-    checkpoint: Path  # a whole file (step_N.pt) or a sharded folder (step_N/)
+    checkpoint: Path  # a checkpoint folder (step_N/), or an old whole file (step_N.pt)
     step: int  # the parent's next step at that checkpoint
     parent: Job
 
@@ -47,29 +52,20 @@ class InitPoint:
 
 
 def _complete(path: Path) -> bool:
-    """A checkpoint whose writing finished: a whole file whose bytes match its sidecar, or a
-    sharded folder with its completion record."""
-    if path.is_dir():
-        from workbench.train.checkpoint.sharded import DONE
-
-        return (path / DONE).exists()
-    from workbench.train.checkpoint.whole import CheckpointDir
-
-    return CheckpointDir(path.parent).verify(int(_WHOLE.search(path.name).group(1))) is None
-
-
-def _step(path: Path) -> Optional[int]:
-    m = (_SHARDED if path.is_dir() else _WHOLE).search(path.name)
-    return int(m.group(1)) if m else None
+    """A checkpoint whose writing finished; its files are checked when ranks load it."""
+    if is_whole_file(path):
+        return looks_complete(path)
+    return (path / COMPLETE).exists()
 
 
 def _newest_complete(run_dir: Path) -> Optional[Tuple[int, Path]]:
-    """The newest complete checkpoint of a run, in any layout it ran in, as (step, path);
-    checked newest first, since checking a whole file reads all of it."""
-    base = run_dir / "checkpoints"
-    paths = list(base.glob("step_*.pt")) + [p for p in base.glob("*/step_*") if p.is_dir()]
-    steps = sorted(((s, p) for p in paths if (s := _step(p)) is not None), reverse=True)
-    return next(((s, p) for s, p in steps if _complete(p)), None)
+    """The newest complete checkpoint of a run, in any layout it ran in (or, for a run of an
+    older version, its newest whole file), as (step, path)."""
+    found = [(step_of(p), p) for p in step_folders(run_dir) if _complete(p)]
+    if found:
+        return max(found)
+    old = newest_whole_file(run_dir)
+    return (step_of(old), old) if old is not None else None
 
 
 def _run_dir_of(path: Path) -> Optional[Path]:
@@ -82,6 +78,7 @@ def _run_dir_of(path: Path) -> Optional[Path]:
 def find(init_from: str) -> InitPoint:
     """The checkpoint `train.init_from` names, with the run that wrote it."""
     path = Path(init_from).expanduser().resolve()
+    path = path if path.exists() else (in_any_layout(path) or path)
     run_dir = _run_dir_of(path) if path.exists() else None
     if run_dir is None:
         raise ConfigError(KEY, init_from, VALID)
@@ -91,7 +88,7 @@ def find(init_from: str) -> InitPoint:
             raise ConfigError(KEY, init_from, f"{run_dir} has no complete checkpoint yet")
         step, path = found
     else:
-        step = _step(path)
+        step = step_of(path)
         if step is None or not _complete(path):
             raise ConfigError(KEY, init_from, VALID + " whose writing finished")
     return InitPoint(path, step, Job.load(run_dir))
@@ -124,52 +121,34 @@ def check(point: InitPoint, cfg: RunConfig) -> None:
 
 
 def prepare(point: InitPoint, run_dir: Path) -> None:
-    """Write a whole-file checkpoint into `run_dir/init/` as sharded, name-keyed state, which
-    every layout loads (a sharded parent needs nothing). The parent ran in one process, so its
-    state fits in this one."""
-    if point.checkpoint.is_dir():
-        return
-    import torch
-    import torch.distributed.checkpoint as dcp
+    """Convert an old whole-file checkpoint into `run_dir/init/` (a checkpoint folder needs
+    nothing). The parent ran in one process, so its state fits in this one."""
+    if is_whole_file(point.checkpoint):
+        # imported here: the driver of a job that needs no conversion does not load torch
+        from workbench.train.checkpoint.legacy import convert
 
-    from workbench.train.engine.local import named_optim_state
-    from workbench.train.model import build
-    from workbench.train.optimizer import make_optimizer
-
-    cfg = point.parent.run_config()
-    model = build(cfg.model, cfg.train.seed, "cpu")
-    optimizer = make_optimizer(list(model.parameters()), cfg)
-    state = torch.load(point.checkpoint, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    with warnings.catch_warnings():  # "no process group: saving in a single process", as meant
-        warnings.simplefilter("ignore")
-        dcp.save({"model": model.state_dict(), "optimizer": named_optim_state(model, optimizer)},
-                 checkpoint_id=str(run_dir / CONVERTED))
+        convert(point.checkpoint, point.parent.run_config(), run_dir / CONVERTED)
 
 
-def source(job_dir: str, checkpoint: str) -> str:
-    """Where ranks read the starting state: the parent's sharded folder, or its conversion."""
-    return checkpoint if Path(checkpoint).is_dir() else str(Path(job_dir) / CONVERTED)
+def source(job_dir: str, checkpoint: str) -> Path:
+    """Where ranks read the starting state: the parent's folder, or its conversion."""
+    return Path(job_dir) / CONVERTED if is_whole_file(checkpoint) else Path(checkpoint)
 
 
 def load(engine, optimizer, cfg: RunConfig, run_dir: str) -> int:
     """Load the starting state into this rank's engine (and, for init_state=all, optimizer);
     returns the first step to run: the parent's next step, or 0 for weights only."""
-    import torch.distributed.checkpoint as dcp
+    from workbench.train.checkpoint.folder import problem, read  # torch: ranks only
 
     point = cfg.train.init_from
     everything = cfg.train.init_state == "all"
-    state = {"model": engine.state_dict()}
-    if everything:
-        state["optimizer"] = engine.named_optim_state_dict(optimizer)
-    with warnings.catch_warnings():  # one process loads without a process group, as meant
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=source(run_dir, point))
-    engine.load_state_dict(state["model"])
-    if everything:
-        engine.load_named_optim_state_dict(optimizer, state["optimizer"])
-    step = _step(Path(point)) if everything else 0
+    path = source(run_dir, point)
+    why = problem(path, engine.bookkeeping)
+    if why is not None:
+        raise ConfigError(KEY, point, f"a checkpoint whose files are whole ({path}: {why})")
+    state = read(path, engine.state_dict(optimizer if everything else None), engine.bookkeeping)
+    engine.load_state_dict(state, optimizer if everything else None)
+    step = step_of(point) if everything else 0
     if engine.is_main:
         what = f"weights, optimizer and step {step}" if everything else "weights"
         print(f"started from {point} ({what})", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The training loop: one readable function, the same for every layout and launcher.
+"""The training loop: `train` reads top to bottom, the same for every layout, world size and
+launcher, and calls the steps below it in order.
 
 What differs between layouts (how a micro-batch is forwarded, how gradients are reduced) lives
 in the engine (workbench.train.engine); the loop only sees `engine.train_step(micro_batches) ->
@@ -11,7 +12,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Collection, Dict, List, Optional
 
 import torch
 
@@ -21,11 +22,11 @@ from workbench.layout import Layout
 from workbench.startup import startup_done
 from workbench.track.tracker import Tracker
 from workbench.train import branch
-from workbench.train.checkpoint.whole import CheckpointDir, rng_state, set_rng_state
+from workbench.train.checkpoint.folder import CheckpointDir, rng_state, set_rng_state
 from workbench.train.engine import Batch, Engine
 from workbench.train.hooks import LoopHooks
 from workbench.train.model import trainable_params
-from workbench.train.optimizer import lr_at
+from workbench.train.optimizer import lr_at, make_optimizer
 
 
 def _process_start_s() -> float:
@@ -49,10 +50,19 @@ class LoopContext:
     # Polled after every step; True (a preemption or time-limit signal arrived) makes the loop
     # write a checkpoint and return early with last["stopped_at"] set, for a requeue to resume.
     stop_requested: Optional[Callable[[], bool]] = None
-    # What a feature adds to the loop (low-rank training: workbench.lowrank.controller); the
-    # defaults do nothing.
+    # What a feature adds to the loop (low-rank training); the defaults do nothing.
     hooks: LoopHooks = field(default_factory=LoopHooks)
     run_dir: str = ""  # the run's folder (where a converted train.init_from checkpoint lies)
+
+
+@dataclass
+class Run:
+    """What the loop carries from step to step."""
+
+    optimizer: torch.optim.Optimizer
+    start: int  # the first step this attempt runs
+    trainable: float  # params/trainable, counted again when a hook changes the model
+    logged: Dict[str, int]  # per key, the last step an earlier attempt already recorded
 
 
 def micro_batches(ctx: LoopContext, split: str, step: int, count: int) -> List[Batch]:
@@ -81,18 +91,22 @@ def evaluate(ctx: LoopContext) -> Dict[str, float]:
         lambda split: ctx.engine.eval_loss(micro_batches(ctx, split, 0, count)))
 
 
+def new_optimizer(ctx: LoopContext, no_decay: Collection[int] = ()) -> torch.optim.Optimizer:
+    """AdamW over the engine's parameters (the hooks get this factory in their context)."""
+    return make_optimizer(list(ctx.engine.view.parameters()), ctx.cfg,
+                          fused=ctx.engine.device.type == "cuda", no_decay=no_decay)
+
+
 def resume(ctx: LoopContext, optimizer: torch.optim.Optimizer) -> int:
     """Restore model, optimizer, RNG and data position from the newest whole checkpoint (or,
     before the run's first, from `train.init_from`); returns the first step to run."""
-    # A sharded checkpoint loads in place, into the shapes of this layout: hence the template.
-    found = ctx.ckpt.load_latest(template=lambda: {
-        "model": ctx.engine.state_dict(), "optimizer": ctx.engine.optim_state_dict(optimizer)})
+    # DCP loads in place, into the shapes of this layout: hence the template.
+    found = ctx.ckpt.load_latest(template=lambda: ctx.engine.state_dict(optimizer))
     if found is None:  # a new run: from scratch, or from another run's checkpoint
         init = ctx.cfg.train.init_from
         return branch.load(ctx.engine, optimizer, ctx.cfg, ctx.run_dir) if init else 0
     step, state = found
-    ctx.engine.load_state_dict(state["model"])
-    ctx.engine.load_optim_state_dict(optimizer, state["optimizer"])
+    ctx.engine.load_state_dict(state, optimizer)
     set_rng_state(state["rng"])
     if ctx.engine.is_main:
         print(f"resumed from checkpoint at step {step}", file=sys.stderr)
@@ -101,79 +115,96 @@ def resume(ctx: LoopContext, optimizer: torch.optim.Optimizer) -> int:
 
 def save(ctx: LoopContext, optimizer: torch.optim.Optimizer, next_step: int) -> None:
     ctx.tracker.flush()  # metrics up to this step are recorded before the checkpoint exists
-    state = {"model": ctx.engine.state_dict(),
-             "optimizer": ctx.engine.optim_state_dict(optimizer),
-             "rng": rng_state(), "next_step": next_step, "data_position": next_step,
-             "layout": ctx.layout.key(), **ctx.hooks.state_dict()}
+    state = {**ctx.engine.state_dict(optimizer), "rng": rng_state(), "next_step": next_step,
+             "data_position": next_step, "layout": ctx.layout.key(), **ctx.hooks.state_dict()}
     ctx.ckpt.save(next_step, state)
+
+
+def begin(ctx: LoopContext) -> Run:
+    """The hooks restore their state (factorized shapes) before the optimizer exists; then
+    the optimizer, and the model and optimizer state of a resumed or branched run."""
+    ctx.hooks.prepare(ctx.ckpt)
+    optimizer = new_optimizer(ctx, ctx.hooks.no_decay())
+    startup_done()  # the optimizer imported torch._dynamo: the last big import
+    start = resume(ctx, optimizer)
+    logged = {k: ctx.tracker.last_logged_step(k) if start > 0 else -1
+              for k in ("loss", "val_loss")}
+    return Run(optimizer, start, float(trainable_params(ctx.engine.view)), logged)
+
+
+def log(ctx: LoopContext, run: Run, metrics: Dict[str, float], step: int) -> None:
+    """Record metrics, except those an earlier attempt of this run recorded: a resumed run
+    recomputes the steps after its checkpoint bitwise."""
+    key = "val_loss" if "val_loss" in metrics and "loss" not in metrics else "loss"
+    if step > run.logged[key]:
+        ctx.tracker.log_metrics(metrics, step)
+
+
+def train_step(ctx: LoopContext, run: Run, step: int, lr: float) -> Dict[str, float]:
+    """One global batch: forward/backward on every micro-batch, clip, optimizer step; with
+    the step's throughput."""
+    t = ctx.cfg.train
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.perf_counter()
+    loss = ctx.engine.train_step(micro_batches(ctx, "train", step, t.global_batch))
+    grad_norm = ctx.engine.clip_grad_norm(t.grad_clip) if t.grad_clip > 0 else 0.0
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if ctx.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    step_time_s = time.perf_counter() - t0
+    tokens_per_step = t.global_batch * ctx.cfg.model.seq_len
+    tokens_per_s = tokens_per_step / step_time_s
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time_s,
+            "tokens_per_s": tokens_per_s,
+            "epochs": (step + 1) * tokens_per_step / ctx.data.train_tokens,
+            "mfu": ctx.flops_per_token * tokens_per_s
+            / (ctx.peak_flops_per_device * ctx.world_size)}
+
+
+def after_step(ctx: LoopContext, run: Run, step: int, lr: float,
+               metrics: Dict[str, float]) -> None:
+    """The hooks' turn: a new optimizer (the model changed) and their metrics."""
+    optimizer, extra = ctx.hooks.after_step(step, run.optimizer, lr)
+    if optimizer is not run.optimizer:
+        run.optimizer, run.trainable = optimizer, float(trainable_params(ctx.engine.view))
+    metrics["params/trainable"] = run.trainable
+    metrics.update(extra)
+    if step == run.start:  # startup cost as a user feels it: process start to first step done
+        metrics["time_to_first_step_s"] = time.time() - _process_start_s()
+    if not math.isfinite(metrics["loss"]):
+        raise FloatingPointError(f"loss is {metrics['loss']} at step {step}; lower train.lr")
 
 
 def train(ctx: LoopContext) -> Dict[str, float]:
     """Run steps [resume point, train.steps); returns the last metrics."""
-    cfg, t = ctx.cfg, ctx.cfg.train
-    hooks = ctx.hooks
-    hooks.prepare(ctx.ckpt)  # restores its state (factorized shapes) before the optimizer
-    optimizer = hooks.make_optimizer(ctx.engine, cfg)
-    startup_done()  # the optimizer imported torch._dynamo: the last big import
-    start = resume(ctx, optimizer)
-    trainable = float(trainable_params(ctx.engine.view))  # hooks report it anew if it changes
-    # Per key, the last step already recorded by an earlier attempt of this run.
-    logged = {k: ctx.tracker.last_logged_step(k) if start > 0 else -1
-              for k in ("loss", "val_loss")}
-    tokens_per_step = t.global_batch * cfg.model.seq_len
+    t, hooks = ctx.cfg.train, ctx.hooks
+    run = begin(ctx)
     last: Dict[str, float] = {}
-
-    def log(metrics: Dict[str, float], step: int) -> None:
-        # A resumed run recomputes steps after its checkpoint bitwise; skip those recorded.
-        key = "val_loss" if "val_loss" in metrics and "loss" not in metrics else "loss"
-        if step > logged[key]:
-            ctx.tracker.log_metrics(metrics, step)
-
-    for step in range(start, t.steps):
+    for step in range(run.start, t.steps):
         if step % t.eval_every == 0:
-            log(evaluate(ctx), step)
-        lr = lr_at(step, cfg) * hooks.lr_factor(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.perf_counter()
-        batch = micro_batches(ctx, "train", step, t.global_batch)
-        loss = ctx.engine.train_step(batch)
-        grad_norm = ctx.engine.clip_grad_norm(t.grad_clip) if t.grad_clip > 0 else 0.0
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if ctx.engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        step_time_s = time.perf_counter() - t0
-        tokens_per_s = tokens_per_step / step_time_s
+            log(ctx, run, evaluate(ctx), step)
+        lr = lr_at(step, ctx.cfg) * hooks.lr_factor(step)
+        last = train_step(ctx, run, step, lr)
         save_now = (step + 1) % t.ckpt_every == 0 or step + 1 == t.steps
         # A stop signal is polled between checkpoints only (a checkpoint step saves anyway),
         # and agreed in the step's one metrics collective: every rank stops at the same step.
-        stats, stop = ctx.engine.step_stats(
+        stats, stop = ctx.engine.bookkeeping.step_stats(
             not save_now and ctx.stop_requested is not None and ctx.stop_requested())
-        last = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": step_time_s,
-                "tokens_per_s": tokens_per_s,
-                "epochs": (step + 1) * tokens_per_step / ctx.data.train_tokens,
-                "mfu": ctx.flops_per_token * tokens_per_s
-                / (ctx.peak_flops_per_device * ctx.world_size),
-                "params/trainable": trainable, **stats}
-        optimizer, extra = hooks.after_step(step, optimizer, lr)
-        last.update(extra)
-        if step == start:  # startup cost as a user feels it: process start to first step done
-            last["time_to_first_step_s"] = time.time() - _process_start_s()
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr")
+        last.update(stats)
+        after_step(ctx, run, step, lr, last)
         if step % t.log_every == 0 or step == t.steps - 1:
-            log(last, step)
+            log(ctx, run, last, step)
         if ctx.on_step is not None:
             ctx.on_step(step, last)
-        if save_now:
-            if step + 1 == t.steps:
-                vals = evaluate(ctx)
-                last.update(vals)
-                log(vals, step + 1)
-            save(ctx, optimizer, step + 1)
-        elif stop:
-            save(ctx, optimizer, step + 1)
+        if step + 1 == t.steps:  # the final evaluation, at the step the run ends on
+            final = evaluate(ctx)
+            last.update(final)
+            log(ctx, run, final, step + 1)
+        if save_now or stop:
+            save(ctx, run.optimizer, step + 1)
+        if stop:
             last["stopped_at"] = step + 1
             break
     hooks.finish()

@@ -2,6 +2,9 @@
 
 Every launcher (local, torchrun, Slurm) ends here with the same job file; the code below never
 knows how it was started. World size and rank come from the environment torchrun or Slurm set.
+A world of one rank is a process group of one (in memory, no network): one engine, one kind of
+checkpoint. The loop hooks a run gets come from the caller (`hooks_for`), chosen above this
+package by what the config asks for (workbench/rank.py).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 from typing import Callable, Dict, Optional
 
 import torch
@@ -16,14 +20,15 @@ import torch
 from workbench.config import compute_dtype
 from workbench.data.corpus import open_tokens
 from workbench.job import FINAL_METRICS, Job
-from workbench.lowrank.controller import make_hooks
 from workbench.track.tracker import make_tracker
 from workbench.train import loop
-from workbench.train.checkpoint.whole import CheckpointDir
-from workbench.train.engine import Engine
-from workbench.train.engine.local import LocalEngine
+from workbench.train.checkpoint.folder import CheckpointDir
+from workbench.train.checkpoint.legacy import refuse_resume
+from workbench.train.checkpoint.names import layout_folder
+from workbench.train.engine.mesh_engine import MeshEngine, make_engine
+from workbench.train.hooks import HookContext, HooksFor, no_hooks
 from workbench.train.model import build, flops_per_token
-from workbench.train.parallel.comm import ByteCounter
+from workbench.train.parallel import comm
 
 
 def peak_flops(cfg) -> float:
@@ -40,46 +45,31 @@ def world_from_env() -> Dict[str, int]:
             "local_rank": int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))}
 
 
-def make_engine(job: Job, cfg, world: Dict[str, int], counter: ByteCounter) -> Engine:
-    """The engine for this rank; `counter` is the one the process group counts into."""
-    layout = job.the_layout()
-    device = torch.device("cuda", world["local_rank"]) if cfg.cluster.device == "cuda" \
-        else torch.device("cpu")
-    model = build(cfg.model, cfg.train.seed, device)
-    if world["world_size"] == 1:
-        return LocalEngine(model, device, compute_dtype(cfg.train, cfg.cluster),
-                           layout.recompute, cfg.train.compile)
-    from workbench.train.engine.parallel import make_parallel_engine
-
-    return make_parallel_engine(model, cfg, layout, world["rank"], device, counter)
-
-
-def run_job(job: Job, progress: bool = True,
+def run_job(job: Job, hooks_for: HooksFor = no_hooks, progress: bool = True,
             stop_requested: Optional[Callable[[], bool]] = None) -> Dict[str, float]:
     """Train the job to its last step (resuming if it has checkpoints); returns final metrics.
     `stop_requested` (polled each step; the Slurm launcher's preemption flag) makes the loop
     checkpoint and return early with last["stopped_at"], for a requeue to resume."""
     cfg = job.run_config()
+    refuse_resume(job.run_dir)  # before the tracker: a refused run's record stays as it was
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     world = world_from_env()
     if world["world_size"] != job.world_size:
         raise RuntimeError(f"job expects world size {job.world_size}, got {world['world_size']}")
-    counter = ByteCounter()  # what the process group counts into, and the engine reads
-    if world["world_size"] == 1:
-        return _train(job, cfg, world, counter, progress, stop_requested)
-    # Several ranks: the default group (with byte counting) lives exactly as long as training.
-    import torch.distributed as dist
-
-    from workbench.train.parallel import comm
-
     if cfg.cluster.device == "cuda":
         torch.cuda.set_device(world["local_rank"])
-    comm.init_process_group(cfg.cluster.device, world["rank"], world["world_size"], counter)
-    try:
-        return _train(job, cfg, world, counter, progress, stop_requested)
-    finally:
-        dist.destroy_process_group()
+    counter = comm.ByteCounter()  # what the process group counts into, and the engine reads
+    # The default group lives exactly as long as training.
+    with comm.process_group(cfg.cluster.device, world["rank"], world["world_size"], counter):
+        return _train(job, cfg, world, counter, hooks_for, progress, stop_requested)
+
+
+def _engine(job: Job, cfg, world: Dict[str, int], counter: comm.ByteCounter) -> MeshEngine:
+    device = torch.device("cuda", world["local_rank"]) if cfg.cluster.device == "cuda" \
+        else torch.device("cpu")
+    return make_engine(build(cfg.model, cfg.train.seed, device), cfg, job.the_layout(),
+                       world["rank"], device, counter)
 
 
 def _end(tracker) -> None:
@@ -87,10 +77,11 @@ def _end(tracker) -> None:
     tracker.close("KILLED" if isinstance(sys.exc_info()[1], KeyboardInterrupt) else "FAILED")
 
 
-def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress: bool,
+def _train(job: Job, cfg, world: Dict[str, int], counter: comm.ByteCounter,
+           hooks_for: HooksFor, progress: bool,
            stop_requested: Optional[Callable[[], bool]]) -> Dict[str, float]:
     try:
-        engine = make_engine(job, cfg, world, counter)
+        engine = _engine(job, cfg, world, counter)
     except BaseException:  # building the model (out of memory, say) fails the run, as a step
         if world["rank"] == 0:  # would; rank 0 speaks for ranks that fail alike
             _end(make_tracker(cfg.tracking, job.run_id, owns_metrics=True))
@@ -100,11 +91,13 @@ def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress:
     try:
         ctx = loop.LoopContext(
             cfg=cfg, layout=job.the_layout(), engine=engine, data=open_tokens(job.data_dir),
-            tracker=tracker, ckpt=_ckpt(job, world, cfg.train.keep_ckpts, cfg.train.keep_every),
-            flops_per_token=flops_per_token(cfg.model), peak_flops_per_device=peak_flops(cfg),
-            world_size=job.world_size, on_step=bar.on_step if bar else None,
-            stop_requested=stop_requested,
-            hooks=make_hooks(cfg, engine, tracker, job.run_dir), run_dir=job.run_dir)
+            tracker=tracker, flops_per_token=flops_per_token(cfg.model),
+            ckpt=CheckpointDir(layout_folder(job.run_dir, job.layout), engine.bookkeeping,
+                               cfg.train.keep_ckpts, cfg.train.keep_every),
+            peak_flops_per_device=peak_flops(cfg), world_size=job.world_size,
+            on_step=bar.on_step if bar else None, stop_requested=stop_requested,
+            run_dir=job.run_dir)
+        ctx.hooks = hooks_for(hook_context(ctx, tracker, job.run_dir))
         last = loop.train(ctx)
     except BaseException:
         _end(tracker)
@@ -122,15 +115,13 @@ def _train(job: Job, cfg, world: Dict[str, int], counter: ByteCounter, progress:
     return last
 
 
-def _ckpt(job: Job, world: Dict[str, int], keep: int, keep_every: int):
-    """One whole file per checkpoint on one rank; sharded DCP folders, one set per layout,
-    on several (a run dir resumed in another layout starts its own set)."""
-    base = os.path.join(job.run_dir, "checkpoints")
-    if job.world_size == 1:
-        return CheckpointDir(base, keep, keep_every)
-    from workbench.train.checkpoint.sharded import DistCheckpointDir
-
-    return DistCheckpointDir(os.path.join(base, job.layout), keep, world["rank"], keep_every)
+def hook_context(ctx: loop.LoopContext, tracker, run_dir: str) -> HookContext:
+    """What the loop's hooks get of training: the engine, and how to build a model and an
+    optimizer as the loop does."""
+    cfg = ctx.cfg
+    return HookContext(cfg=cfg, engine=ctx.engine, tracker=tracker, run_dir=run_dir,
+                       build_model=partial(build, cfg.model, cfg.train.seed, "cpu"),
+                       make_optimizer=partial(loop.new_optimizer, ctx))
 
 
 class _progress:

@@ -172,7 +172,7 @@ def build(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Tr
     """The model with its seeded initial weights, drawn on the CPU so that every layout and
     device starts from the same weights. A large model is laid out on the meta device first
     (PyTorch's default init of billions of weights would be thrown away); a small one is built
-    on the CPU directly, since the meta device's first use costs ~2 s of lazy imports."""
+    on the CPU directly, since the meta device's first use pays for lazy imports of its own."""
     if n_params(cfg) > META_ABOVE_PARAMS:
         with torch.device("meta"):
             model = Transformer(cfg)

@@ -48,7 +48,7 @@ def make_optimizer(params: List[torch.nn.Parameter], cfg: RunConfig, fused: bool
     """AdamW with weight decay on matrices only (norms, biases and gains are not decayed).
 
     `no_decay` holds the ids of matrices that must not be decayed either (low-rank factors:
-    the controller decays their product instead); they get a group of their own."""
+    the low-rank hooks decay their product instead); they get a group of their own."""
     t = cfg.train
     live = [p for p in params if p.requires_grad]
     groups = [{"params": [p for p in live if p.dim() >= 2 and id(p) not in no_decay],

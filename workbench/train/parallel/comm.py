@@ -242,8 +242,7 @@ def init_process_group(device_type: str, rank: int, world_size: int, counter: By
                        timeout_s: float = 600.0, store: Optional[Any] = None) -> None:
     """Initialise the default group with the counting backend, counting into `counter` (which
     the caller also hands to the engine). Rendezvous through `store` when given, else env://
-    from torchrun (MASTER_ADDR, MASTER_PORT). main.py and the multi-rank harness call this
-    once per rank and destroy the group at the end.
+    from torchrun (MASTER_ADDR, MASTER_PORT). Called once per rank through `process_group`.
     WORKBENCH_COUNT_COMM=0 uses the plain backend instead (comm/* metrics are then 0): an escape
     hatch should a backend feature the wrapper does not forward be needed (it has been verified
     on gloo; NCCL through the wrapper is not verified yet)."""
@@ -253,6 +252,21 @@ def init_process_group(device_type: str, rank: int, world_size: int, counter: By
         backend = _counting_backend(device_type, counter)
     dist.init_process_group(backend, rank=rank, world_size=world_size, store=store,
                             timeout=timedelta(seconds=timeout_s))
+
+
+@contextmanager
+def process_group(device_type: str, rank: int, world_size: int, counter: ByteCounter,
+                  timeout_s: float = 600.0, store: Optional[Any] = None) -> Iterator[None]:
+    """The default group for as long as the block runs, destroyed after it even on error.
+    One rank rendezvouses with itself in memory (a HashStore: no port, no file), so a world of
+    one is the same engine and checkpoint code as a world of many."""
+    if store is None and world_size == 1:
+        store = dist.HashStore()
+    init_process_group(device_type, rank, world_size, counter, timeout_s, store)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def metric_dict(per_rank_mean: Dict[str, float], calls: float = 0.0) -> Dict[str, float]:

@@ -4,21 +4,23 @@
 2. context parallel: this rank's positions and the all-gather attention (context.py);
    then tensor parallel (+ sequence parallel) plans over the "tp" mesh dimension;
 3. activation checkpointing (recompute) per block, then
-4. torch.compile per block (train.compile), keeping parameter names (recompute.py: the same
-   two steps the single-process engine applies);
-5. data parallel last: FSDP2 `fully_shard` (HSDP when dp_replicate and dp_shard are both used,
-   or when replication sits next to DTensor parameters), DDP when replication is all there is.
+4. torch.compile per block (train.compile), keeping parameter names (recompute.py);
+5. data parallel last (`DataParallel`): FSDP2 `fully_shard` (HSDP when dp_replicate and
+   dp_shard are both used, or when replication sits next to DTensor parameters), composable
+   `replicate` when replication is all there is, nothing at one data-parallel rank.
 
-The model file knows nothing of this; every step works by module name.
+Every step changes the modules in place and skips itself at degree 1, so a world of one rank
+runs the same function. The model file knows nothing of this; every step works by module name,
+and a module that brings its own tensor-parallel plan (a factorized linear) is asked for it.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -73,30 +75,30 @@ def tp_plan(model: Transformer, sequence_parallel: bool) -> Dict[str, object]:
     return plan
 
 
+def adapt_tp_plan(model: nn.Module, plan: Dict[str, object],
+                  sequence_parallel: bool) -> Dict[str, object]:
+    """The plan with every entry whose module has a `tp_plan(style, sequence_parallel)` method
+    (a low-rank factorized linear, say) replaced by the plan that module gives for its own
+    submodules: the layer that replaced a dense linear knows how to shard like it, and this
+    file need not know what replaced it."""
+    out: Dict[str, object] = {}
+    for name, style in plan.items():
+        own = getattr(model.get_submodule(name), "tp_plan", None)
+        if own is None:
+            out[name] = style
+        else:
+            out.update({f"{name}.{k}": v for k, v in own(style, sequence_parallel).items()})
+    return out
+
+
 def apply_tp(model: Transformer, mesh: Mesh, layout: Layout) -> None:
     if layout.tp > 1:
-        from workbench.lowrank.factorize import adapt_tp_plan
-
         plan = adapt_tp_plan(model, tp_plan(model, layout.sequence_parallel),
                              layout.sequence_parallel)
         parallelize_module(model, mesh.sub("tp"), plan)
 
 
-def apply_fsdp(model: Transformer, mesh: Mesh, layout: Layout, dtype: str,
-               reshard_after_forward: bool) -> None:
-    """FSDP2 per block, then the stage root; bf16 compute with fp32 reduction when asked."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    dp_mesh = mesh.fsdp
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if dtype == "bf16" else MixedPrecisionPolicy()
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-
-
-# DDP's bucket cap when one bucket is wanted: larger than any model's gradients.
+# The bucket cap when one bucket is wanted: larger than any model's gradients.
 ONE_BUCKET_MB = 1 << 20
 
 
@@ -104,65 +106,116 @@ def ddp_bucket_cap_mb(cfg: RunConfig, device: torch.device) -> Optional[float]:
     """None (DDP's default 25 MB buckets), or one bucket for PowerSGD on CPU ranks
     (lowrank.powersgd_one_bucket, on by default; GPU ranks keep DDP's buckets).
 
-    Why: PowerSGD's hook waits for each bucket's collectives before it returns (three in a row:
-    the uncompressed tensors, P, Q; lowrank/powersgd.py says why it must), so every bucket is a
-    point inside the backward where each rank stops until the other ranks arrive. Ranks that
-    share cores with each other and with other jobs drift apart between such points, and each
-    one costs the drift (a 4 KB all-reduce: ~0.8 ms back to back, ~3.6 ms after 20 ms of compute
-    on each of 2 ranks on 2 shared cores; benchmarks/lowrank_sync_probe.py). With one bucket the
-    hook runs once, after the backward, and its three collectives follow each other with only
-    the compression between them: gpt_small's 13 collectives a step become 4. Measured at 2
-    ranks, that is a wash on a quiet machine (the hook computes ~0.04 s more in one bucket) and
-    13% faster with other jobs on the cores; the ranks meet once a step, as in the other modes.
-    On CPU ranks the all-reduce hides nothing behind the backward (dp_scaling.GLOO_CPU_OVERLAP),
-    so no overlap is lost. On GPUs the wait is a stream dependency, not a stop of the host, and
-    DDP's buckets let PowerSGD's collectives overlap the rest of the backward: they are kept."""
+    Why: PowerSGD's hook waits for each bucket's collectives before it returns
+    (lowrank/powersgd.py says why it must), so every bucket is a point inside the backward
+    where each rank stops until the others arrive, and ranks that share cores drift apart
+    between such points. With one bucket the hook runs once, after the backward, and its three
+    collectives follow each other with only the compression between them. On CPU ranks the
+    all-reduce hides nothing behind the backward, so no overlap is lost; on GPUs the wait is a
+    stream dependency, and DDP's buckets let the collectives overlap the backward: kept.
+    The README's low-rank section gives what this measured."""
     one = (cfg.lowrank.mode == "powersgd" and cfg.lowrank.powersgd_one_bucket
            and device.type == "cpu")
     return float(ONE_BUCKET_MB) if one else None
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, device: torch.device,
-              bucket_cap_mb: Optional[float] = None) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
+class DataParallel:
+    """How this rank's gradients meet the other data-parallel ranks': chosen once per layout
+    (`data_parallel`), applied to every part on every (re)build. The base class is one
+    data-parallel rank: nothing to apply, nothing to sync."""
 
-    ids = [device.index] if device.type == "cuda" else None
-    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    # Buffers (RoPE tables, positions, a CP rank's mask) are built alike on every rank of the
-    # group, so DDP need not re-broadcast them each forward. torch 2.13 renamed the switch and
-    # warns on every rank under the old name.
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        kw["forward_sync_buffers"] = False
-    else:
-        kw["broadcast_buffers"] = False
-    return DistributedDataParallel(model, device_ids=ids,
-                                   process_group=mesh.group("dp_replicate"), **kw)
+    group: Optional[Any] = None  # replication's process group (comm hooks run over it)
+
+    def apply(self, part: nn.Module) -> None:
+        pass
+
+    def set_sync(self, part: nn.Module, sync: bool) -> None:
+        """Whether the coming backward reduces gradients across ranks (the last micro-batch
+        does; the others accumulate locally)."""
+
+    def register_comm_hook(self, part: nn.Module, make_state: Callable[[nn.Module, Any], Any],
+                           hook: Callable) -> Optional[Any]:
+        """A DDP comm hook on `part`, with the state `make_state(part, group)` builds; None
+        where nothing replicates gradients through DDP's reducer."""
+        return None
+
+
+class Replicated(DataParallel):
+    """torch.distributed's composable `replicate`: DDP's reducer and comm hooks, with the
+    module kept in place (no wrapper to unwrap)."""
+
+    def __init__(self, mesh: Mesh, device: torch.device, bucket_cap_mb: Optional[float]):
+        self.group, self.device = mesh.group("dp_replicate"), device
+        self.kwargs: Dict[str, Any] = {} if bucket_cap_mb is None else {
+            "bucket_cap_mb": bucket_cap_mb}
+
+    def apply(self, part: nn.Module) -> None:
+        # Every rank builds the same seeded weights (and loads the same checkpoint), so the
+        # start-up broadcast of DDP's init_sync would send what is already there.
+        replicate(part, device_id=self.device, process_group=self.group, init_sync=False,
+                  **self.kwargs)
+
+    def set_sync(self, part: nn.Module, sync: bool) -> None:
+        part.set_requires_gradient_sync(sync)
+
+    def register_comm_hook(self, part: nn.Module, make_state: Callable[[nn.Module, Any], Any],
+                           hook: Callable) -> Optional[Any]:
+        # replicate() builds its reducer at the first forward and registers the hook then:
+        # one registered after that forward would never run.
+        state = make_state(part, self.group)
+        part.register_comm_hook(state, hook)
+        return state
+
+
+class Sharded(DataParallel):
+    """FSDP2 per block, then the part's root; bf16 compute with fp32 reduction when asked.
+    Inside a pipeline, parameters stay gathered between micro-batches."""
+
+    def __init__(self, mesh: Mesh, layout: Layout, dtype: str):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        self.mesh = mesh.fsdp
+        self.mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if dtype == "bf16" else MixedPrecisionPolicy()
+        self.reshard = layout.pp == 1
+
+    def apply(self, part: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in part.layers.values():
+            fully_shard(block, mesh=self.mesh, mp_policy=self.mp,
+                        reshard_after_forward=self.reshard)
+        fully_shard(part, mesh=self.mesh, mp_policy=self.mp, reshard_after_forward=self.reshard)
+
+    def set_sync(self, part: nn.Module, sync: bool) -> None:
+        # reduce-scatter every micro-batch (no unsharded gradient outlives its block: the
+        # memory FSDP is chosen for); the HSDP all-reduce on the last one only
+        part.set_requires_all_reduce(sync)
+
+
+def data_parallel(layout: Layout, mesh: Mesh, cfg: RunConfig,
+                  device: torch.device) -> DataParallel:
+    if uses_fsdp(layout):
+        return Sharded(mesh, layout, compute_dtype(cfg.train, cfg.cluster))
+    if uses_ddp(layout):
+        return Replicated(mesh, device, ddp_bucket_cap_mb(cfg, device))
+    return DataParallel()
 
 
 def parallelize(model: Transformer, mesh: Mesh, layout: Layout, cfg: RunConfig,
-                device: torch.device) -> List[nn.Module]:
+                device: torch.device, dp: DataParallel) -> List[nn.Module]:
     """This rank's modules, in stage order (one unless pipelined with virtual stages), each
-    with TP, recompute, compile and data parallelism applied. DDP-wrapped modules come back
-    wrapped; their `.module` is the stage."""
+    with TP, recompute, compile and data parallelism applied in place."""
     if layout.pp > 1:
         split = list(layout.stage_split(model.cfg.n_layers))
         parts = [split_stage(model, s, split) for s in stage_ids(layout, mesh.pp_rank)]
     else:
         parts = [model]
-    out: List[nn.Module] = []
     for part in parts:
         part.to(device)
         if layout.cp > 1:
             apply_cp(part, mesh.group("cp"), layout.cp, mesh.coord("cp"))
         apply_tp(part, mesh, layout)
         apply_block_steps(part, layout.recompute, cfg.train.compile)
-        if uses_fsdp(layout):
-            # Inside a pipeline, parameters stay gathered between micro-batches.
-            apply_fsdp(part, mesh, layout, compute_dtype(cfg.train, cfg.cluster),
-                       reshard_after_forward=layout.pp == 1)
-            out.append(part)
-        elif uses_ddp(layout):
-            out.append(apply_ddp(part, mesh, device, ddp_bucket_cap_mb(cfg, device)))
-        else:
-            out.append(part)
-    return out
+        dp.apply(part)
+    return parts

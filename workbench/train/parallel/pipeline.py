@@ -7,9 +7,9 @@ layout-free. Rank r of the pp group owns stages r, r + pp, r + 2 pp, ... (the lo
 interleaved 1F1B expects). Stages may hold different numbers of layers
 (`layout.stage_layers`): the first and last stage lighter, or any list.
 
-torch.distributed.pipelining is imported by make_schedule only: it costs ~0.7 s of start-up, and
-the ranks of a layout without a pipeline (most runs, and every rank of a sweep's DDP trials) never
-use it.
+torch.distributed.pipelining is imported by make_schedule only: its import is a noticeable part
+of a rank's start-up, and the ranks of a layout without a pipeline (most runs, and every rank of
+a sweep's DDP trials) never use it.
 """
 
 from __future__ import annotations

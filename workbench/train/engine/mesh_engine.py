@@ -1,17 +1,15 @@
-"""The multi-rank engine: the `Engine` protocol over a parallelized model and its mesh.
+"""The engine: the `Engine` protocol over a model laid out on this rank's mesh, for every world
+size (one rank is a mesh of size 1: parallelize then has nothing to split or reduce).
 
 The loop is the same for every layout; here live the differences: micro-batches run through a
 pipeline schedule or one module with gradient sync on the last micro-batch only; the reported
-loss is the global-batch mean on every rank; the gradient norm is summed over shards and stages;
-metrics (communication bytes, peak memory) are measured on every rank and reduced, in one
-collective per step that also carries the stop signal.
+loss is the global-batch mean on every rank; the gradient norm is summed over shards and stages.
 """
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import AbstractContextManager
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,18 +22,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import get_total_norm
 
 from workbench import compat
 from workbench.config import RunConfig, compute_dtype
 from workbench.layout import Layout
-from workbench.train.engine import Batch, autocast, local_peak_mem_bytes
+from workbench.train.engine import Batch
+from workbench.train.engine.bookkeeping import Bookkeeping
 from workbench.train.model import cross_entropy
 from workbench.train.parallel import comm
 from workbench.train.parallel.context import cp_positions
 from workbench.train.parallel.mesh import Mesh, build_mesh, uses_fsdp
-from workbench.train.parallel.parallelize import parallelize
+from workbench.train.parallel.parallelize import data_parallel, parallelize
 from workbench.train.parallel.pipeline import forward_only, make_schedule, stage_ids
+
+
+def autocast(device: torch.device, dtype: str) -> AbstractContextManager:
+    """bf16 autocast when the run computes in bf16 (and parameters stay fp32 masters)."""
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, enabled=False)
+
 
 _PARTS = ("tok_embeddings", "pos_embeddings", "norm", "output")
 
@@ -57,43 +64,48 @@ def checkpoint_view(stages: List[nn.Module]) -> nn.Module:
     return view
 
 
-class ParallelEngine:
-    """World size > 1: DDP / FSDP2 / TP(+SP) / PP on one named mesh. `counter` is the
-    ByteCounter the process group was created with (comm.init_process_group)."""
+class MeshEngine:
+    """DDP-style replication / FSDP2 / TP(+SP) / CP / PP on one named mesh, or none of them.
+    `counter` is the ByteCounter the process group was created with (comm.process_group)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, cfg: RunConfig,
                  device: torch.device, counter: comm.ByteCounter):
         self.mesh, self.layout, self.cfg, self.device = mesh, layout, cfg, device
         self.counter = counter
+        self.bookkeeping = Bookkeeping(counter, device, mesh.rank, dist.get_world_size())
         self.dp_rank, self.dp_size, self.is_main = mesh.dp_rank, mesh.dp_size, mesh.is_main
         # FSDP's mixed-precision policy casts parameters itself; otherwise autocast does.
         self.dtype = "fp32" if uses_fsdp(layout) else compute_dtype(cfg.train, cfg.cluster)
         # The sequence positions this rank holds under context parallelism (None: all).
         self.seq_index = cp_positions(cfg.model.seq_len, layout.cp, mesh.coord("cp")).to(device) \
             if layout.cp > 1 else None
+        self.dp = data_parallel(layout, mesh, cfg, device)
         self.rebuild(model)
 
     def rebuild(self, model: nn.Module) -> None:
-        """Parallelize a full model over the same mesh, and run it from now on (DDP and FSDP2
-        cannot change the parameters under them, so a new model means new wrappers)."""
+        """Parallelize a full model over the same mesh, and run it from now on (FSDP2 and
+        replication cannot change the parameters under them, so a new model is laid out anew)."""
         layout = self.layout
-        with self.uncounted():
-            parts = parallelize(model, self.mesh, layout, self.cfg, self.device)
-        self.parts = parts
-        self.stages = [p.module if isinstance(p, DistributedDataParallel) else p for p in parts]
-        self.view = checkpoint_view(self.stages)
+        with self.bookkeeping.uncounted():
+            self.parts = parallelize(model, self.mesh, layout, self.cfg, self.device, self.dp)
+        self.view = checkpoint_view(self.parts)
         self.schedule = None
         if layout.pp > 1:
             self.stage_indices = stage_ids(layout, self.mesh.pp_rank)
             n_stages = layout.pp * layout.virtual_stages
             self.has_first = 0 in self.stage_indices
             self.has_last = n_stages - 1 in self.stage_indices
-            self.schedule = make_schedule(parts, self.stage_indices, layout, self.device,
+            self.schedule = make_schedule(self.parts, self.stage_indices, layout, self.device,
                                           self.mesh.group("pp"), layout.grad_accum,
                                           cross_entropy)
 
-    def parameters(self) -> List[nn.Parameter]:
-        return [p for s in self.stages for p in s.parameters()]
+    def _params(self) -> List[nn.Parameter]:
+        return [p for s in self.parts for p in s.parameters()]
+
+    def register_comm_hook(self, make_state: Callable[[nn.Module, Any], Any],
+                           hook: Callable) -> List[Any]:
+        states = [self.dp.register_comm_hook(p, make_state, hook) for p in self.parts]
+        return [s for s in states if s is not None]
 
     # --- steps ---
     def train_step(self, micro_batches: List[Batch]) -> float:
@@ -114,26 +126,18 @@ class ParallelEngine:
         return batch[0].index_select(1, self.seq_index), batch[1].index_select(1, self.seq_index)
 
     def _accumulate(self, micro_batches: List[Batch]) -> torch.Tensor:
-        """Gradient accumulation: DDP all-reduces on the last micro-batch only; FSDP
-        reduce-scatters every micro-batch (so no unsharded gradient outlives its block, the
-        memory FSDP is chosen for) and all-reduces over dp_replicate (HSDP) on the last only,
-        as the cost model charges (workbench.plan.cost.data_parallel)."""
+        """Gradient accumulation: gradients meet the other data-parallel ranks' on the last
+        micro-batch (FSDP reduce-scatters on every one, and all-reduces over dp_replicate on
+        the last), as the cost model charges (workbench.plan.cost.data_parallel)."""
         model, n = self.parts[0], len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
-            with self._grad_sync(model, i == n - 1), autocast(self.device, self.dtype):
+            self.dp.set_sync(model, i == n - 1)
+            with autocast(self.device, self.dtype):
                 loss = cross_entropy(model(x), y) / n
             loss.backward()
             total += loss.detach()
         return total
-
-    @staticmethod
-    def _grad_sync(model: nn.Module, sync: bool):
-        if isinstance(model, DistributedDataParallel):
-            return contextlib.nullcontext() if sync else model.no_sync()
-        if hasattr(model, "set_requires_all_reduce"):  # FSDP2: reduce-scatter, HSDP all-reduce
-            model.set_requires_all_reduce(sync)
-        return contextlib.nullcontext()
 
     def _pipeline_step(self, micro_batches: List[Batch]) -> torch.Tensor:
         x = torch.cat([mb[0] for mb in micro_batches])
@@ -147,9 +151,10 @@ class ParallelEngine:
 
     def _from_last_stage(self, value: Optional[torch.Tensor]) -> torch.Tensor:
         """The last stage's scalar on every stage (a sum over the pp group, zeros elsewhere)."""
-        out = torch.zeros((), device=self.device, dtype=torch.float32)
+        dtype = torch.float32 if value is None else value.dtype
+        out = torch.zeros((), device=self.device, dtype=dtype)
         if value is not None:
-            out += value.detach().float()
+            out += value.detach()
         group = self.mesh.group("pp")
         if group is not None:
             dist.all_reduce(out, group=group)
@@ -158,7 +163,7 @@ class ParallelEngine:
     def _global_mean(self, local: torch.Tensor) -> float:
         """Mean over data- and context-parallel ranks of each rank's mean: the global-batch
         mean, since every such rank holds an equal share of the tokens."""
-        local = local.detach().float().clone()
+        local = local.detach().to(torch.promote_types(local.dtype, torch.float32)).clone()
         for name in ("dp_replicate", "dp_shard", "cp"):
             group = self.mesh.group(name)
             if group is not None:
@@ -169,7 +174,8 @@ class ParallelEngine:
     def eval_loss(self, batches: List[Batch]) -> float:
         for p in self.parts:
             p.eval()
-        total = torch.zeros((), device=self.device)
+        # summed in float64: a mean over many batches keeps the digits its batches have
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
         for x, y in map(self._local, batches):
             with autocast(self.device, self.dtype):
                 if self.schedule is None:
@@ -185,12 +191,13 @@ class ParallelEngine:
         return self._global_mean(total / len(batches))
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm of all gradients: local sums of squares, summed over the mesh
-        dimensions a gradient is sharded on, then over pipeline stages; then scale."""
-        sums: Dict[tuple, torch.Tensor] = {}
+        """Global L2 norm of all gradients, then scale them to at most `max_norm`. Gradients
+        sharded alike (the same mesh dimensions) take their local norm together, squared and
+        summed over those dimensions, then over pipeline stages; with nothing to reduce (one
+        process, or replication) this is torch.nn.utils.clip_grad_norm_'s arithmetic."""
+        by_key: Dict[tuple, List[torch.Tensor]] = {}
         groups: Dict[tuple, list] = {}
-        grads = []
-        for p in self.parameters():
+        for p in self._params():
             g = p.grad
             if g is None:
                 continue
@@ -200,101 +207,66 @@ class ParallelEngine:
                 g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
                                                    for pl in g.placements])
                 p.grad = g
+            key: tuple = ()
             if isinstance(g, DTensor):
                 # Any shard-like placement (FSDP's _StridedShard over TP included) splits the
                 # tensor across that mesh dimension; replicated dimensions count once.
                 dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
                 key = (id(g.device_mesh), dims)
                 groups[key] = [g.device_mesh.get_group(i) for i in dims]
-                local = g.to_local()
-            else:
-                key, local = (), g
-                groups[key] = []
-            grads.append(local)
-            sq = local.detach().float().pow(2).sum()
-            sums[key] = sums[key] + sq if key in sums else sq
-        total = torch.zeros((), device=self.device, dtype=torch.float32)
-        for key, sq in sums.items():
-            for group in groups[key]:
-                dist.all_reduce(sq, group=group)
-            total += sq
-        if self.mesh.group("pp") is not None:
-            dist.all_reduce(total, group=self.mesh.group("pp"))
-        norm = total.sqrt()
+                g = g.to_local()
+            groups.setdefault(key, [])
+            by_key.setdefault(key, []).append(g)
+        norms = {key: get_total_norm(grads) for key, grads in by_key.items()}
+        pp = self.mesh.group("pp")
+        if len(norms) == 1 and not groups[next(iter(norms))] and pp is None:
+            norm = next(iter(norms.values())).float()
+        else:
+            total = torch.zeros((), device=self.device, dtype=torch.float32)
+            for key, n in norms.items():
+                sq = n.float().pow(2)
+                for group in groups[key]:
+                    dist.all_reduce(sq, group=group)
+                total += sq
+            if pp is not None:
+                dist.all_reduce(total, group=pp)
+            norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = [g for gs in by_key.values() for g in gs]
         if grads:
             compat.foreach_mul_(grads, coef.to(grads[0].dtype))
         return float(norm)
 
-    # --- checkpoints: FQN-keyed (DTensor) state for torch.distributed.checkpoint ---
-    def state_dict(self) -> Dict[str, Any]:
-        return get_model_state_dict(self.view)
+    # --- checkpoints: keyed by parameter name (DTensor shards) for torch.distributed.checkpoint
+    def state_dict(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        state = {"model": get_model_state_dict(self.view)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.view, optimizer)
+        return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        set_model_state_dict(self.view, state)
-
-    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        return get_optimizer_state_dict(self.view, optimizer)
-
-    def load_optim_state_dict(self, optimizer: torch.optim.Optimizer,
-                              state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any],
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        set_model_state_dict(self.view, state["model"])
+        if optimizer is None:
+            return
         # DCP saves non-tensor values (a group's betas, eps, weight decay) from the coordinator
         # rank only, so a pipeline rank whose parameters rank 0 does not hold gets its groups
         # back without them: keep this optimizer's own (they come from the config).
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        set_optimizer_state_dict(self.view, optimizer, state)
+        set_optimizer_state_dict(self.view, optimizer, state["optimizer"])
         for group, own in zip(optimizer.param_groups, hyper):
             for key, value in own.items():
                 group.setdefault(key, value)
 
-    # Already keyed by name (what a run started from this one loads: workbench.train.branch).
-    named_optim_state_dict = optim_state_dict
-    load_named_optim_state_dict = load_optim_state_dict
-
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        with self.uncounted():
+        with self.bookkeeping.uncounted():
             full = get_model_state_dict(self.view,
                                         options=StateDictOptions(full_state_dict=True))
         return {k: v.detach().to("cpu") for k, v in full.items()}
 
-    # --- agreement and metrics ---
-    def step_stats(self, stop: bool) -> Tuple[Dict[str, float], bool]:
-        """Peak memory (max over ranks), bytes by kind (mean over ranks) and the stop signal
-        (true everywhere if true on one rank: a signal that reached only some ranks), in one
-        uncounted all-gather per step."""
-        counts = self.counter.totals()
-        vec = torch.tensor([float(counts[k]) for k in comm.KINDS]
-                           + [local_peak_mem_bytes(self.device), 1.0 if stop else 0.0,
-                              float(self.counter.calls)],
-                           dtype=torch.float64, device=self.device)
-        world = dist.get_world_size()
-        out = torch.empty(world * vec.numel(), dtype=torch.float64, device=self.device)
-        with self.uncounted():
-            dist.all_gather_single(out, vec)
-        out = out.view(world, vec.numel())
-        n = len(comm.KINDS)
-        stats = {"peak_mem_bytes": float(out[:, n].max()),
-                 **comm.metric_dict(dict(zip(comm.KINDS, out[:, :n].mean(dim=0).tolist())),
-                                    float(out[:, n + 2].mean()))}
-        return stats, bool(out[:, n + 1].max() > 0)
 
-    def uncounted(self) -> AbstractContextManager:
-        return self.counter.uncounted()
-
-    def gather_objects(self, obj: Any) -> List[Any]:
-        out: List[Any] = [None] * dist.get_world_size()
-        with self.uncounted():
-            dist.all_gather_object(out, obj)
-        return out
-
-    def from_rank0(self, obj: Any) -> Any:
-        box = [obj]
-        with self.uncounted():
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def make_parallel_engine(model: nn.Module, cfg: RunConfig, layout: Layout, rank: int,
-                         device: torch.device, counter: comm.ByteCounter) -> ParallelEngine:
-    """Build the mesh once for this rank, and the engine around the full seeded model."""
-    return ParallelEngine(model, build_mesh(layout, device, rank), layout, cfg, device, counter)
+def make_engine(model: nn.Module, cfg: RunConfig, layout: Layout, rank: int,
+                device: torch.device, counter: comm.ByteCounter) -> MeshEngine:
+    """Build the mesh once for this rank, and the engine around the full seeded model; the
+    process group exists already (comm.process_group), one rank included."""
+    return MeshEngine(model, build_mesh(layout, device, rank), layout, cfg, device, counter)
