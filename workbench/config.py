@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from workbench.config_profile import ClusterProfile
+
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
@@ -65,108 +67,6 @@ class PoolLinkConfig:
     pools: List[str] = field(default_factory=list)  # the two pool names
     gbps: float = MISSING  # per device, one direction, GB/s across the cut
     latency_s: float = 20e-6
-
-
-@dataclass
-class Curve:
-    """Seconds of one operation at each payload size (bytes ascending)."""
-
-    bytes: List[float] = field(default_factory=list)
-    s: List[float] = field(default_factory=list)
-
-
-@dataclass
-class GemmTable:
-    """Forward and backward (dX and dW) seconds of (tokens, k) @ (k, n), one row per shape."""
-
-    dtype: str = "fp32"
-    k: List[int] = field(default_factory=list)
-    n: List[int] = field(default_factory=list)
-    tokens: List[int] = field(default_factory=list)
-    fwd_s: List[float] = field(default_factory=list)
-    bwd_s: List[float] = field(default_factory=list)
-
-
-@dataclass
-class BlockTable:
-    """One transformer block and the loss as a rank of degree tp holds them, per token count."""
-
-    model: str = ""
-    shape: str = ""  # workbench.profile.rank.block_key: what the block's time depends on
-    dtype: str = "fp32"
-    tp: List[int] = field(default_factory=list)
-    tokens: List[int] = field(default_factory=list)
-    fwd_s: List[float] = field(default_factory=list)
-    bwd_s: List[float] = field(default_factory=list)
-    loss_fwd_s: List[float] = field(default_factory=list)
-    loss_bwd_s: List[float] = field(default_factory=list)
-
-
-@dataclass
-class OptimizerPoint:
-    model: str = ""
-    params: float = 0.0
-    tensors: float = 0.0
-    step_s: float = 0.0  # AdamW step with clipping, the whole model on one rank
-
-
-@dataclass
-class ComputeLevel:
-    """What one rank computes while `ranks` ranks of its host compute at once."""
-
-    ranks: int = 1
-    threads: int = 0  # intra-op threads per rank (0: a GPU)
-    elementwise: Curve = field(default_factory=Curve)
-    gemm: List[GemmTable] = field(default_factory=list)
-    blocks: List[BlockTable] = field(default_factory=list)
-    optimizer: List[OptimizerPoint] = field(default_factory=list)
-
-
-@dataclass
-class CommCurve:
-    """A collective over disjoint groups of `group` ranks, all busy at once."""
-
-    kind: str = "all_reduce"  # all_reduce | all_gather | reduce_scatter | p2p
-    group: int = 2
-    span: str = "intra"  # intra: every group inside a node; inter: across nodes
-    bytes: List[float] = field(default_factory=list)
-    s: List[float] = field(default_factory=list)
-    measure_s: float = 0.0
-
-
-@dataclass
-class MemoryCheck:
-    model: str = ""
-    micro_batch: int = 1
-    baseline_bytes: float = 0.0  # held before any model: the memory model's fixed allowance
-    step_peak_bytes: float = 0.0  # peak over one training step of `model`
-
-
-@dataclass
-class ProfileMeta:
-    """Where and when a profile was measured: what it is valid for."""
-
-    when: str = ""
-    host: str = ""
-    torch: str = ""
-    device_type: str = "cpu"
-    device_name: str = ""
-    world: int = 1
-    nodes: int = 1
-    hosts: int = 1
-    cores_per_host: int = 0
-    ranks_per_host: int = 1
-    command: str = ""
-
-
-@dataclass
-class ClusterProfile:
-    """Measured by `python -m workbench.profile` on the cluster itself (workbench/profile/)."""
-
-    measured: ProfileMeta = field(default_factory=ProfileMeta)
-    compute: List[ComputeLevel] = field(default_factory=list)
-    comms: List[CommCurve] = field(default_factory=list)
-    memory: MemoryCheck = field(default_factory=MemoryCheck)
 
 
 @dataclass

@@ -50,7 +50,7 @@ _Dumper.add_representer(list, _represent_list)
 def write(path: Path, data: Dict[str, Any]) -> None:
     """Write `data` to `path` as YAML by one atomic rename (fsynced first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = HEADER.format(**data["profile"]["measured"]) + yaml.dump(
+    text = HEADER.format(**{"command": "", **data["profile"]["measured"]}) + yaml.dump(
         data, Dumper=_Dumper, sort_keys=False, width=100)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import ModelConfig, RunConfig
-from workbench.profile.timing import Timing, fastest_s
+from workbench.profile.timing import Timing, median_s
 from workbench.train.model import Block, build, cross_entropy, rope_tables
 from workbench.train.optimizer import make_optimizer
 
@@ -50,8 +50,8 @@ def gemm_times(shape: Gemm, tokens: int, dtype: str, device: torch.device,
     x = torch.randn(tokens, shape.k, device=device, dtype=dt)
     w = torch.randn(shape.n, shape.k, device=device, dtype=dt)
     dy = torch.randn(tokens, shape.n, device=device, dtype=dt)
-    fwd = fastest_s(lambda: F.linear(x, w), device, timing)
-    bwd = fastest_s(lambda: (dy.mm(w), dy.t().mm(x)), device, timing)
+    fwd = median_s(lambda: F.linear(x, w), device, timing)
+    bwd = median_s(lambda: (dy.mm(w), dy.t().mm(x)), device, timing)
     return fwd, bwd
 
 
@@ -95,8 +95,8 @@ def block_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torc
     def both() -> None:
         forward().backward(grad)
 
-    fwd = fastest_s(forward, device, timing)
-    return fwd, max(0.0, fastest_s(both, device, timing) - fwd)
+    fwd = median_s(forward, device, timing)
+    return fwd, max(0.0, median_s(both, device, timing) - fwd)
 
 
 def loss_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device,
@@ -107,8 +107,8 @@ def loss_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch
     logits = torch.randn(b, s, cfg.vocab // tp, device=device, dtype=DTYPES[dtype],
                          requires_grad=True)
     target = torch.randint(0, cfg.vocab // tp, (b, s), device=device)
-    fwd = fastest_s(lambda: cross_entropy(logits, target), device, timing)
-    both = fastest_s(lambda: cross_entropy(logits, target).backward(), device, timing)
+    fwd = median_s(lambda: cross_entropy(logits, target), device, timing)
+    both = median_s(lambda: cross_entropy(logits, target).backward(), device, timing)
     return fwd, max(0.0, both - fwd)
 
 
@@ -127,7 +127,7 @@ def optimizer_times(cfg: RunConfig, device: torch.device, timing: Timing = Timin
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         opt.step()
 
-    seconds = fastest_s(step, device, Timing(timing.trial_s, 3))
+    seconds = median_s(step, device, Timing(timing.trial_s, 3))
     return {"params": float(sum(p.numel() for p in params)), "tensors": float(len(params)),
             "step_s": seconds}
 
@@ -141,7 +141,7 @@ def elementwise_curve(device: torch.device, sizes_bytes: Sequence[int],
         n = max(1, nbytes // 4)
         a, b = torch.randn(n, device=device), torch.randn(n, device=device)
         out = torch.empty_like(a)
-        seconds = fastest_s(lambda a=a, b=b, out=out: torch.add(a, b, out=out), device, timing)
+        seconds = median_s(lambda a=a, b=b, out=out: torch.add(a, b, out=out), device, timing)
         rows["bytes"].append(float(3 * 4 * n))
         rows["s"].append(seconds)
     return rows

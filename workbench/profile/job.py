@@ -19,14 +19,24 @@ from workbench.profile.spec import ProfileSpec
 RESULT = "profile.json"  # what rank 0 writes into the job's folder (profile/worker.py)
 
 
-def launch_profile(cfg: RunConfig, spec: ProfileSpec, work: Path) -> Dict[str, Any]:
-    """Run the profile on the launcher's ranks; rank 0's measurements as plain data."""
-    world = world_size(cfg.launcher)
+def profile_job(cfg: RunConfig, spec: ProfileSpec, work: Path, world: int = 0) -> Job:
+    """The job file of a profile over `world` ranks (0: as many as the launcher starts)."""
+    world = world or world_size(cfg.launcher)
     job = Job(config=config_dict(cfg), layout=Layout(dp_replicate=world).key(),
               run_dir=str(work), world_size=world, kind="profile", task=asdict(spec))
     job.save()
-    make_launcher(cfg.launcher).launch(job)
-    result = work / RESULT
-    if not result.exists():
+    return job
+
+
+def result(work: Path) -> Dict[str, Any]:
+    """Rank 0's measurements, as plain data."""
+    path = work / RESULT
+    if not path.exists():
         raise InputError(f"the profile job in {work} ended without writing {RESULT}")
-    return json.loads(result.read_text())
+    return json.loads(path.read_text())
+
+
+def launch_profile(cfg: RunConfig, spec: ProfileSpec, work: Path) -> Dict[str, Any]:
+    """Run the profile on the launcher's ranks; rank 0's measurements."""
+    make_launcher(cfg.launcher).launch(profile_job(cfg, spec, work))
+    return result(work)

@@ -1,14 +1,14 @@
 """How the profiler times one operation: warmed up, repeated until the clock resolves it, the
-fastest of several trials.
+median of several trials.
 
-The fastest, not the mean or the median: a trial is only ever slowed down (by a neighbour on a
-shared machine, an interrupt, a page fault), never sped up, so the fastest trial is the
-operation's own cost; a training step adds up thousands of them, whose own delays the step's
-median then sees once.
+The median, not the fastest or the mean: a training step runs each operation at its typical
+speed (cache state, frequency, the scheduler's jitter included), which the fastest trial
+understates and one slow outlier would drag the mean from.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,10 +30,10 @@ class Timing:
     trials: int = 5
 
 
-def fastest_s(fn: Callable[[], object], device: torch.device, timing: Timing = Timing(),
+def median_s(fn: Callable[[], object], device: torch.device, timing: Timing = Timing(),
              max_reps: int = 10_000) -> float:
-    """Seconds of one call of `fn` in the fastest trial, each trial at least `timing.trial_s`
-    long (a microsecond operation is repeated until the trial is long enough to time)."""
+    """Median seconds of one call of `fn` over the trials, each at least `timing.trial_s` long
+    (a microsecond operation is repeated until the trial is long enough to time)."""
     min_trial_s, trials = timing.trial_s, timing.trials
     fn()
     synchronize(device)
@@ -49,4 +49,4 @@ def fastest_s(fn: Callable[[], object], device: torch.device, timing: Timing = T
             fn()
         synchronize(device)
         samples.append((time.perf_counter() - t0) / reps)
-    return min(samples)
+    return statistics.median(samples)

@@ -133,6 +133,8 @@ def _run_case(case: Case, data: TokenData, rank: int, world_size: int,
     cfg = case.cfg
     if case.keep_up_to_step is not None:  # as if the run had been killed after that step
         _drop_checkpoints_after(case.ckpt_dir, case.keep_up_to_step, rank)
+    if cfg.train.threads:  # as the rank entry does (train/main.py); else the group's one
+        torch.set_num_threads(cfg.train.threads)
     model = build(cfg.model, cfg.train.seed)
     engine = make_engine(model, cfg, case.layout, rank, torch.device("cpu"), counter)
     history: List[Dict[str, float]] = []

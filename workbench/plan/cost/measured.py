@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from workbench.config import BlockTable, ClusterProfile, ComputeLevel, GemmTable
+from workbench.config_profile import BlockTable, ClusterProfile, ComputeLevel, GemmTable
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -142,6 +142,11 @@ class Measured:
     comms: Dict[Tuple[str, str], Dict[int, Tuple[np.ndarray, np.ndarray]]] = \
         field(default_factory=dict)  # (kind, span) -> group -> (bytes, s)
     fixed_bytes: float = 0.0  # memory a process holds before any model
+    # engine probes by block shape: (kind, degree) -> layers -> micro-batch -> (tokens, s)
+    probes: Dict[str, Dict[Tuple[str, int], Dict[int, Dict[int, Tuple[float, float]]]]] = \
+        field(default_factory=dict)
+    cores: int = 1  # of the host the profile ran on
+    cache: Dict[Tuple[str, str], object] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, profile: ClusterProfile) -> Measured:
@@ -150,11 +155,20 @@ class Measured:
             comms.setdefault((c.kind, c.span), {})[int(c.group)] = (
                 np.array(c.bytes, float), np.array(c.s, float))
         meta = profile.measured
+        probes: Dict[str, Dict[Tuple[str, int], Dict[int, Dict[int, Tuple[float, float]]]]] = {}
+        for table in profile.probes:
+            mine = probes.setdefault(table.shape, {})
+            for kind, degree, layers, mb, tok, s in zip(table.kind, table.degree, table.layers,
+                                                        table.micro_batch, table.tokens,
+                                                        table.step_s):
+                mine.setdefault((kind, int(degree)), {}).setdefault(int(layers), {})[int(mb)] \
+                    = (float(tok), float(s))
         return cls(source=f"profile of {meta.host}, {meta.when}",
                    levels=tuple(sorted((Level.of(lv) for lv in profile.compute),
                                        key=lambda lv: lv.ranks)),
                    one_host=meta.hosts == 1 and meta.device_type == "cpu", comms=comms,
-                   fixed_bytes=profile.memory.baseline_bytes)
+                   fixed_bytes=profile.memory.baseline_bytes, probes=probes,
+                   cores=max(1, int(meta.cores_per_host or 1)))
 
     def level(self, ranks_per_host: int) -> Level:
         """The level of the first measured count of busy ranks at least `ranks_per_host` (the

@@ -94,8 +94,9 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
     # comm.tp_s is one pass's 2 collectives; the backward's count without SP is the stack's
     bwd_tp = np.where(cols["sp"] > 0, 1.0, software.tp_bwd_allreduces(shape.gated_mlp) / 2.0)
     # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
-    tp = comm.tp_s * (1 + bwd_tp + full_share + 0.5 * rank.op_policy * (cols["sp"] > 0))
-    cp = comm.cp_fwd_s * (1 + full_share + rank.op_policy) + comm.cp_bwd_s
+    tp = comm.tp_s * (1 + bwd_tp + full_share + 0.5 * rank.op_policy * (cols["sp"] > 0)) \
+        + comm.tp_engine_s
+    cp = comm.cp_fwd_s * (1 + full_share + rank.op_policy) + comm.cp_bwd_s + comm.cp_engine_s
     head = comp.head_s + comp.loss_s
     if software.gathered_logits:  # all-gather of the 16-bit logits over the TP group (forward)
         bw_tp, _ = collective_link(cols["tp"], 1, gpu, coeff)
