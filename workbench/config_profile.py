@@ -71,6 +71,7 @@ class CommCurve:
     kind: str = "all_reduce"  # all_reduce | all_gather | reduce_scatter | p2p
     group: int = 2
     span: str = "intra"  # intra: every group inside a node; inter: across nodes
+    ranks: int = 0  # ranks busy with it at once (the groups timed together); 0: all of them
     bytes: List[float] = field(default_factory=list)
     s: List[float] = field(default_factory=list)
     measure_s: float = 0.0

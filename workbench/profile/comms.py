@@ -144,6 +144,12 @@ def _slowest(local: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def alone(part: Partition) -> Partition:
+    """The partition's first group by itself: the collective of a run with only these ranks
+    (on a CPU the idle ones leave their cores to it)."""
+    return Partition(part.groups[:1], part.span)
+
+
 def make_groups(parts: Sequence[Partition]) -> Dict[tuple[int, ...], Optional[dist.ProcessGroup]]:
     """One process group per distinct group of ranks (every rank creates every group, as
     torch.distributed requires, in the same order)."""

@@ -1,12 +1,12 @@
 """What the engine itself costs beyond the operations it runs: one training micro-batch of the
 real engine (parallelize, its hooks, DTensor, FSDP2, the loss's collectives) for each kind of
-parallelism at each degree, on a model of one layer and of two.
+parallelism at each degree, on models of one layer and of three.
 
 The GEMM, block and collective curves price what a layer computes and sends; a CPU run also
 pays, per layer and per micro-batch, for what the engine does around them (Python hooks,
-DTensor dispatch, FSDP2's copies, autograd's graph). Their difference of two layers and one is
-one layer as the engine runs it, which the cost model compares with its own price of the same
-probe (workbench.plan.cost.overheads).
+DTensor dispatch, FSDP2's copies, autograd's graph). Half their difference is one layer as the
+engine runs it, which the cost model compares with its own price of the same
+probe (workbench.plan.cost.engine_residuals).
 
 Each degree k is probed by k ranks of the job in a process group of their own (the job's ranks
 beyond k wait), so that as many ranks compute as a run of k ranks would.
@@ -31,6 +31,7 @@ from workbench.train.model import build
 from workbench.train.parallel import comm
 
 Progress = Callable[[str], None]
+LAYERS = (1, 3)  # the probed models' layer counts: their difference is two layers
 
 
 def kinds(degree: int, model: ModelConfig) -> Dict[str, Layout]:
@@ -47,39 +48,44 @@ def kinds(degree: int, model: ModelConfig) -> Dict[str, Layout]:
     return out
 
 
-def _step_s(engine: Any, model: ModelConfig, micro_batch: int, device: torch.device,
-            reps: int) -> float:
-    """Median seconds of one micro-batch's train_step (after one warm-up step)."""
+def _batch(model: ModelConfig, micro_batch: int, device: torch.device) -> list:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab, (micro_batch, model.seq_len + 1), generator=gen)
-    batch = [(tokens[:, :-1].to(device), tokens[:, 1:].to(device))]
+    return [(tokens[:, :-1].to(device), tokens[:, 1:].to(device))]
+
+
+def _timed(engine: Any, batch: list) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
     engine.train_step(batch)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        engine.train_step(batch)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
 
 
 def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                  micro_batches: List[int], device: torch.device, show: Progress,
-                 reps: int = 3) -> List[Dict[str, Any]]:
-    """Every kind of this degree, on models of 1 and 2 layers, at every micro-batch."""
+                 reps: int = 5) -> List[Dict[str, Any]]:
+    """Every kind of this degree, on models of 1 and 3 layers, at every micro-batch: the two
+    timed in turn, `reps` times each (so a slow spell of the machine falls on both), medians."""
     rows = []
     for kind, layout in kinds(degree, model).items():
         show(f"engine probes: {model.name} {kind} x{degree}")
-        for layers in (1, 2):
+        engines = {}
+        for layers in LAYERS:
             one = replace(model, n_layers=layers)
-            run = replace(cfg, model=one)
-            engine = make_engine(build(one, cfg.train.seed), run, layout, rank, device,
-                                 comm.ByteCounter())
-            for mb in micro_batches:
-                rows.append({"model": model.name, "kind": kind, "degree": degree,
-                             "layers": layers,
+            engines[layers] = (one, make_engine(build(one, cfg.train.seed), replace(cfg, model=one),
+                                                layout, rank, device, comm.ByteCounter()))
+        for mb in micro_batches:
+            batches = {n: _batch(one, mb, device) for n, (one, _) in engines.items()}
+            times: Dict[int, List[float]] = {n: [] for n in LAYERS}
+            for n in LAYERS:  # warm-up
+                engines[n][1].train_step(batches[n])
+            for _ in range(reps):
+                for n in LAYERS:
+                    times[n].append(_timed(engines[n][1], batches[n]))
+            for n in LAYERS:
+                rows.append({"model": model.name, "kind": kind, "degree": degree, "layers": n,
                              "micro_batch": mb, "tokens": mb * model.seq_len // layout.cp,
-                             "step_s": _step_s(engine, one, mb, device, reps)})
+                             "step_s": statistics.median(times[n])})
     return rows
 
 

@@ -216,16 +216,20 @@ def collectives(spec: ProfileSpec, device: torch.device, node_of: List[int], sho
     parts = comms.partitions(node_of)
     groups = comms.make_groups(parts)
     out = []
-    for part in parts:
+    # every group of a size busy at once (a layout over the whole world), and one group alone
+    # (a run of only its ranks): on shared cores the two differ
+    variants = [q for p in parts for q in ([p, comms.alone(p)] if len(p.groups) > 1 else [p])]
+    for part in variants:
         for kind in comms.KINDS:
             if kind == "p2p" and part.size != 2:
                 continue
+            busy = part.size * len(part.groups)
             show(f"collectives: {kind} over {len(part.groups)} group(s) of {part.size}, "
                  f"{part.span} node")
             t0 = time.perf_counter()
             rows = comms.curve(kind, part, spec.comm_bytes, device, groups, spec.slow_s,
                                spec.budget_s)
-            out.append({"kind": kind, "group": part.size, "span": part.span,
+            out.append({"kind": kind, "group": part.size, "span": part.span, "ranks": busy,
                         "bytes": [r["bytes"] for r in rows], "s": [r["s"] for r in rows],
                         "measure_s": time.perf_counter() - t0})
     return out

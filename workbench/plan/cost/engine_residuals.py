@@ -1,14 +1,16 @@
 """What the engine costs beyond the priced operations, from the profile's engine probes.
 
-A probe is one micro-batch of the real engine for one kind of parallelism at one degree, on a
-model of one layer and of two (workbench/profile/probes.py). The cost model prices the same
+A probe is one micro-batch of the real engine for one kind of parallelism at one degree, on
+models of one layer and of three (workbench/profile/probes.py). The cost model prices the same
 probe from its curves; what the probe took beyond that price is the engine's own cost (Python
-hooks, DTensor dispatch, FSDP2's copies, autograd's graph): per layer (two layers less one) and
-per micro-batch (one layer less its layer). A layout pays the plain probe's residuals, and for
-each kind of parallelism it uses the difference its kind's probe made, at its degree (the
-nearest probed) and token count; a residual measured while k ranks shared the host's cores
-grows as more ranks share them in the layout priced. Nothing here is fitted: the probes are part
-of the profile, measured before any run they price.
+hooks, DTensor dispatch, FSDP2's copies, autograd's graph): per layer (half of three layers
+less one) and per micro-batch (one layer less its layer), each summarized over the probed
+micro-batches as a straight line in tokens (a least-squares line through a few points: a
+probe's timings are a few milliseconds apart on a shared machine). A layout pays the plain
+probe's residuals, and for each kind of parallelism it uses the difference its kind's probe
+made, at its degree (the nearest probed) and token count; a residual measured while k ranks
+shared the host's cores grows as more ranks share them in the layout priced. No run is fitted:
+the probes are part of the profile, measured before any run they price.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ class Residuals:
             near = min(degrees, key=lambda p: abs(np.log2(p) - np.log2(max(d, 1.0))))
             toks, secs = curves[(kind, near)]
             rows = degree == d
-            out[rows] = np.interp(np.log(tokens[rows]), np.log(toks), secs)
+            # on the line, and past the probed tokens along it
+            slope = (secs[-1] - secs[0]) / (toks[-1] - toks[0]) if len(toks) > 1 else 0.0
+            out[rows] = secs[0] + slope * (tokens[rows] - toks[0])
         return out
 
 
@@ -78,21 +82,29 @@ def residuals(measured: Measured, shape: ModelShape,
     layer: Dict[Tuple[str, int], Curve] = {}
     per_mb: Dict[Tuple[str, int], Curve] = {}
     for (kind, degree), by_layers in rows.items():
-        if kind not in PROBES or set(by_layers) != {1, 2}:
+        if kind not in PROBES or set(by_layers) != {1, 3}:
             continue
-        mbs = sorted(set(by_layers[1]) & set(by_layers[2]))
+        mbs = sorted(set(by_layers[1]) & set(by_layers[3]))
         layouts = [replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs]
         priced = {n: _step(price(replace(shape, n_layers=n), layout_columns(layouts)))
-                  for n in (1, 2)}
+                  for n in (1, 3)}
         measured_1 = np.array([by_layers[1][mb][1] for mb in mbs])
-        measured_2 = np.array([by_layers[2][mb][1] for mb in mbs])
+        measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
         tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
-        one_layer = (measured_2 - measured_1) - (priced[2] - priced[1])
-        layer[(kind, degree)] = (tokens, one_layer)
-        per_mb[(kind, degree)] = (tokens, measured_1 - priced[1] - one_layer)
+        one_layer = ((measured_3 - measured_1) - (priced[3] - priced[1])) / 2
+        layer[(kind, degree)] = _line(tokens, one_layer)
+        per_mb[(kind, degree)] = _line(tokens, measured_1 - priced[1] - one_layer)
     out = Residuals(layer, per_mb, measured.cores)
     measured.cache[("residuals", key)] = out
     return out
+
+
+def _line(tokens: np.ndarray, seconds: np.ndarray) -> Curve:
+    """The least-squares line through the points, as its values at the probed tokens."""
+    if len(tokens) < 2:
+        return tokens, seconds
+    slope, intercept = np.polyfit(tokens, seconds, 1)
+    return tokens, intercept + slope * tokens
 
 
 def _step(terms: Arrays) -> np.ndarray:

@@ -139,8 +139,8 @@ class Measured:
     source: str  # "profile of HOST, WHEN": what --explain prints beside a measured term
     levels: Tuple[Level, ...]
     one_host: bool  # every profiled rank shared one host's cores (a CPU, or emulated nodes)
-    comms: Dict[Tuple[str, str], Dict[int, Tuple[np.ndarray, np.ndarray]]] = \
-        field(default_factory=dict)  # (kind, span) -> group -> (bytes, s)
+    comms: Dict[Tuple[str, str], Dict[int, Dict[int, Tuple[np.ndarray, np.ndarray]]]] = \
+        field(default_factory=dict)  # (kind, span) -> group -> ranks busy -> (bytes, s)
     fixed_bytes: float = 0.0  # memory a process holds before any model
     # engine probes by block shape: (kind, degree) -> layers -> micro-batch -> (tokens, s)
     probes: Dict[str, Dict[Tuple[str, int], Dict[int, Dict[int, Tuple[float, float]]]]] = \
@@ -150,11 +150,12 @@ class Measured:
 
     @classmethod
     def of(cls, profile: ClusterProfile) -> Measured:
-        comms: Dict[Tuple[str, str], Dict[int, Tuple[np.ndarray, np.ndarray]]] = {}
-        for c in profile.comms:
-            comms.setdefault((c.kind, c.span), {})[int(c.group)] = (
-                np.array(c.bytes, float), np.array(c.s, float))
         meta = profile.measured
+        comms: Dict[Tuple[str, str], Dict[int, Dict[int, Tuple[np.ndarray, np.ndarray]]]] = {}
+        for c in profile.comms:
+            busy = int(c.ranks or meta.world)
+            comms.setdefault((c.kind, c.span), {}).setdefault(int(c.group), {})[busy] = (
+                np.array(c.bytes, float), np.array(c.s, float))
         probes: Dict[str, Dict[Tuple[str, int], Dict[int, Dict[int, Tuple[float, float]]]]] = {}
         for table in profile.probes:
             mine = probes.setdefault(table.shape, {})
@@ -178,23 +179,26 @@ class Measured:
                 return lv
         return self.levels[-1]
 
-    def collective_s(self, kind: str, nbytes: np.ndarray, group: np.ndarray, inter: np.ndarray
-                     ) -> np.ndarray:
+    def collective_s(self, kind: str, nbytes: np.ndarray, group: np.ndarray, inter: np.ndarray,
+                     busy: np.ndarray) -> np.ndarray:
         """Seconds of one `kind` moving `nbytes` per rank over `group` ranks, across nodes
-        where `inter`; 0 for a group of one. A kind or span that was not measured takes the
-        other span's curves (a one-node profile prices an inter-node group at its intra-node
-        speed, and says so in --explain)."""
-        nbytes, group, inter = np.broadcast_arrays(np.asarray(nbytes, float),
-                                                   np.asarray(group, float),
-                                                   np.asarray(inter, bool))
+        where `inter`, while `busy` ranks (the layout's) run collectives at once; 0 for a group
+        of one. A kind or span that was not measured takes the other span's curves (a one-node
+        profile prices an inter-node group at its intra-node speed; --explain says which)."""
+        nbytes, group, inter, busy = np.broadcast_arrays(
+            np.asarray(nbytes, float), np.asarray(group, float), np.asarray(inter, bool),
+            np.asarray(busy, float))
         out = np.zeros(nbytes.shape)
         for span in ("intra", "inter"):
             curves = self.comms.get((kind, span)) or self.comms.get(
                 (kind, "intra" if span == "inter" else "inter")) or {}
-            for g in set(group[(inter == (span == "inter")) & (group > 1)].ravel().tolist()):
-                rows = (group == g) & (inter == (span == "inter"))
+            mine = inter == (span == "inter")
+            for g, b in set(zip(group[mine & (group > 1)].tolist(),
+                                busy[mine & (group > 1)].tolist())):
+                rows = (group == g) & (busy == b) & mine
                 near = min(curves, key=lambda m: abs(np.log2(m) - np.log2(g)))
-                xs, ys = curves[near]
+                by_busy = curves[near]
+                xs, ys = by_busy[min(by_busy, key=lambda r: abs(np.log2(r) - np.log2(b)))]
                 ring = ((g - 1) / g) / ((near - 1) / near) if kind != "p2p" else 1.0
                 out[rows] = loglog(nbytes[rows], xs, ys) * ring
         return out

@@ -18,7 +18,7 @@ from workbench.plan.cost.coefficients import Coefficients
 from workbench.plan.cost.communication import Communication
 from workbench.plan.cost.compute import Compute
 from workbench.plan.cost.measured import GemmCurves, Level, Measured
-from workbench.plan.cost.per_rank import PerRank
+from workbench.plan.cost.per_rank import PerRank, world_of
 from workbench.plan.cost.shapes import Linear, ModelShape, block_key
 from workbench.plan.cost.software import Software
 
@@ -91,6 +91,13 @@ def measured_compute(shape: ModelShape, software: Software, rank: PerRank,
         loss_s=parts["loss"], ends_bwd_s=parts["head_bwd"] + parts["loss_bwd"])
 
 
+def _collective(rank: PerRank, kind: str, nbytes: np.ndarray, group: np.ndarray,
+                inter: np.ndarray) -> np.ndarray:
+    """A measured collective while the layout's ranks all run theirs."""
+    assert rank.measured is not None
+    return rank.measured.collective_s(kind, nbytes, group, inter, world_of(rank.cols))
+
+
 def inter_node(size: np.ndarray, stride: np.ndarray | float, gpus_per_node: int) -> np.ndarray:
     """Whether a group of `size` ranks `stride` apart crosses nodes."""
     return np.asarray(size) * np.asarray(stride) > gpus_per_node
@@ -106,14 +113,14 @@ def measured_communication(shape: ModelShape, software: Software, rank: PerRank,
     tp, cp, sp = cols["tp"], cols["cp"], cols["sp"]
     volume = tokens * float(shape.hidden) * elem
     tp_inter = inter_node(tp, 1, gpus_per_node)
-    with_sp = m.collective_s("all_gather", volume, tp, tp_inter) \
-        + m.collective_s("reduce_scatter", volume, tp, tp_inter)
-    tp_s = np.where(tp > 1, 2 * np.where(sp > 0, with_sp,
-                                         m.collective_s("all_reduce", volume, tp, tp_inter)), 0.0)
+    with_sp = _collective(rank, "all_gather", volume, tp, tp_inter) \
+        + _collective(rank, "reduce_scatter", volume, tp, tp_inter)
+    without_sp = _collective(rank, "all_reduce", volume, tp, tp_inter)
+    tp_s = np.where(tp > 1, 2 * np.where(sp > 0, with_sp, without_sp), 0.0)
     kv_bytes = cp * tokens * 2 * shape.kv_width / tp * elem  # the gathered K and V
     cp_inter = inter_node(cp, tp, gpus_per_node)
-    cp_fwd = np.where(cp > 1, m.collective_s("all_gather", kv_bytes, cp, cp_inter), 0.0)
-    cp_bwd = np.where(cp > 1, m.collective_s("reduce_scatter", kv_bytes, cp, cp_inter), 0.0)
+    cp_fwd = np.where(cp > 1, _collective(rank, "all_gather", kv_bytes, cp, cp_inter), 0.0)
+    cp_bwd = np.where(cp > 1, _collective(rank, "reduce_scatter", kv_bytes, cp, cp_inter), 0.0)
     return Communication(tp_s=tp_s, cp_fwd_s=cp_fwd, cp_bwd_s=cp_bwd)
 
 
@@ -127,7 +134,7 @@ def measured_p2p(shape: ModelShape, software: Software, rank: PerRank, gpus_per_
     split = np.where(software.p2p_tp_split | (cols["sp"] > 0), cols["tp"], 1.0)
     nbytes = rank.tokens * float(shape.hidden) * software.act_bytes / split
     stride = cols["tp"] * rank.reduce_ranks * rank.shard_ranks
-    seconds = m.collective_s("p2p", nbytes, np.full(len(nbytes), 2.0),
+    seconds = _collective(rank, "p2p", nbytes, np.full(len(nbytes), 2.0),
                              inter_node(2, stride, gpus_per_node))
     transfers = np.where(cols["pp"] > 2, 4.0, 2.0) if software.p2p_blocking else 2.0
     return np.where(cols["pp"] > 1, transfers * rank.virtual * seconds, 0.0)
@@ -148,15 +155,15 @@ def measured_data_parallel(shape: ModelShape, coeff: Coefficients, software: Sof
     overlap = 0.0 if on_cpu else (coeff.dp_overlap if software.overlap_dp else 0.0)
     calls = rank.layers_most + 1  # a collective per block and one for the ends
     shard_inter = inter_node(shards, cols["tp"], gpus_per_node)
-    gather = calls * m.collective_s("all_gather", elems / calls * weight_bytes, shards,
+    gather = calls * _collective(rank, "all_gather", elems / calls * weight_bytes, shards,
                                     shard_inter)
-    reduce = calls * m.collective_s("reduce_scatter", elems / calls * software.grad_reduce_bytes,
+    reduce = calls * _collective(rank, "reduce_scatter", elems / calls * software.grad_reduce_bytes,
                                     shards, shard_inter)
     in_pipe = (cols["pp"] > 1) & (shards > 1)
     fsdp = np.where(shards > 1, np.where(in_pipe, gather + reduce, ga * (2 * gather + reduce)),
                     0.0)
     fsdp_exposed = np.maximum(fsdp * (1 - overlap), fsdp - ga * (fwd_s + bwd_s))
-    ddp = np.where(replicas > 1, m.collective_s(
+    ddp = np.where(replicas > 1, _collective(rank,
         "all_reduce", elems / shards * software.grad_reduce_bytes, replicas,
         inter_node(replicas, rank.reduce_stride, gpus_per_node)), 0.0)
     ddp_exposed = np.maximum(ddp * (1 - overlap), ddp - bwd_s)
