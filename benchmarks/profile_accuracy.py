@@ -6,7 +6,7 @@ from datasheet figures alone, all in one run.
 
 Every layout runs gpt_tiny through the real engine and loop (workbench.testing.multirank: one
 spawned gloo group per world size; over the link each rank sits in its own network namespace
-behind a `tc`-limited NIC, so it needs root). Measured: the median step after the first.
+behind a `tc`-limited NIC, so it needs root). Measured: the median step after the first, averaged over two interleaved rounds.
 Predicted: `estimate()` on the profiled cluster file (`cluster=bench_here`, `bench_link`) and
 on `local_cpu` (the datasheet figures; over the link its NIC rate set to the link's). The
 default run is also checked as a user runs it: `python -m workbench.run cluster=bench_here
@@ -46,6 +46,7 @@ from workbench.profile.spec import spec_for
 from workbench.testing import netns
 from workbench.testing.multirank import Case, median_after_first, run_cases, run_single
 
+ROUNDS = 2  # each layout is measured this many times, interleaved; the mean of their medians
 # (name, world, overrides, split): "link" rows run 2 ranks over the limited link.
 LAYOUTS = [
     ("single mb16", 1, [], "dev"),
@@ -112,17 +113,22 @@ def measure(world: Any, rows: List[Dict[str, Any]], steps: int, root: Path,
         row.update(cfg=cfg, layout=layout)
         cases.append(Case(row["name"], cfg, layout, ""))
     data = load_data(cases[0].cfg.data)
+    rounds = cases * ROUNDS  # every layout once, then again: a slow spell falls on several
     if n == 1:
         torch.set_num_threads(threads_for(1))
         results = [run_single(c.cfg, c.layout, data, str(root / f"single{i}"))
-                   for i, c in enumerate(cases)]
+                   for i, c in enumerate(rounds)]
     else:
-        results = run_cases(n, cases, data, str(root / f"w{world}"), timeout_s=1800,
+        results = run_cases(n, rounds, data, str(root / f"w{world}"), timeout_s=1800,
                             netns=link.namespaces if link else None)
-    for row, res in zip(rows, results):
+    for i, res in enumerate(results):
         if "error" in res:
-            raise RuntimeError(f"{row['name']}: {res['error']}\n{res.get('traceback', '')}")
-        row["measured_s"] = median_after_first(res["history"], "step_time_s")
+            name = rows[i % len(rows)]["name"]
+            raise RuntimeError(f"{name}: {res['error']}\n{res.get('traceback', '')}")
+    for i, row in enumerate(rows):
+        row["measured_s"] = statistics.mean(
+            median_after_first(results[i + r * len(rows)]["history"], "step_time_s")
+            for r in range(ROUNDS))
 
 
 def predict(row: Dict[str, Any], rate_mbit: float) -> None:

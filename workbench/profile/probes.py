@@ -63,7 +63,7 @@ def _timed(engine: Any, batch: list) -> float:
 
 def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                  micro_batches: List[int], device: torch.device, show: Progress,
-                 reps: int = 5) -> List[Dict[str, Any]]:
+                 reps: int = 7) -> List[Dict[str, Any]]:
     """Every kind of this degree, on models of 1 and 3 layers, at every micro-batch: the two
     timed in turn, `reps` times each (so a slow spell of the machine falls on both), medians."""
     rows = []

@@ -200,15 +200,35 @@ def run(spec: ProfileSpec, cfg: RunConfig, rank: int, world: int, show: Progress
     if rank == 0:
         show("memory: one training step")
         out["memory"] = memory_check(cfg, device)
-    for ranks in levels(on_host, device):
-        level = compute_level(spec, cfg, device, ranks, show) if host_index < ranks else None
-        _barrier(world)
-        if rank == 0:
-            out["compute"].append(level)
+    rounds: List[List[Any]] = []
+    for _ in range(spec.rounds):  # the whole sweep again: a slow spell falls on one round
+        rounds.append([])
+        for ranks in levels(on_host, device):
+            level = compute_level(spec, cfg, device, ranks, show) if host_index < ranks else None
+            _barrier(world)
+            rounds[-1].append(level)
+    if rank == 0:
+        out["compute"] = [mean_of_rounds(list(same)) for same in zip(*rounds)]
     if world > 1:
         torch.set_num_threads(threads_for(on_host)) if device.type == "cpu" else None
         out["comms"] = collectives(spec, device, node_of, show)
     return out if rank == 0 else None
+
+
+def mean_of_rounds(levels: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One level from the same level measured in several rounds: every timing the mean of its
+    rounds (the rounds measure the same shapes in the same order)."""
+    def merge(parts: List[Any]) -> Any:
+        first = parts[0]
+        if isinstance(first, dict):
+            return {k: merge([p[k] for p in parts]) for k in first}
+        if isinstance(first, list):
+            return [merge(list(v)) for v in zip(*parts)]
+        if isinstance(first, float):
+            return sum(parts) / len(parts)
+        return first
+
+    return merge(levels)
 
 
 def collectives(spec: ProfileSpec, device: torch.device, node_of: List[int], show: Progress

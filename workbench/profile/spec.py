@@ -27,6 +27,7 @@ class ProfileSpec:
     trial_s: float = 0.01  # each compute timing: `trials` trials at least this long
     trials: int = 5
     probe_micro_batches: List[int] = field(default_factory=lambda: [1, 4, 16])
+    rounds: int = 2  # compute tables measured this many times over, averaged
 
 
 def powers_of_two(low: int, high: int) -> List[int]:
@@ -53,5 +54,5 @@ def spec_for(cfg: RunConfig, models: List[Dict[str, Any]], dtypes: List[str], ma
         tokens = sorted(set(tokens[::2] + tokens[-1:]))
         return ProfileSpec(models=models, dtypes=dtypes, tps=tps, tokens=tokens,
                            comm_bytes=comm[::2], slow_s=0.1, budget_s=0.05, trial_s=0.003,
-                           trials=3, probe_micro_batches=[1, 4])
+                           trials=3, probe_micro_batches=[1, 4], rounds=1)
     return ProfileSpec(models=models, dtypes=dtypes, tps=tps, tokens=tokens, comm_bytes=comm)

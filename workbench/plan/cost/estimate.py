@@ -32,7 +32,7 @@ from workbench.plan.cost.measured_terms import (
     measured_optimizer_s,
 )
 from workbench.plan.cost.memory import memory
-from workbench.plan.cost.per_rank import Arrays, per_rank, world_of
+from workbench.plan.cost.per_rank import Arrays, per_rank
 from workbench.plan.cost.shapes import ModelShape, model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
@@ -66,7 +66,7 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
         res = residuals(rank.measured, shape, lambda s, c: evaluate(
             s, gpu, coeff, software, c, engine=False)) if engine else None
         if res is not None:
-            extra = row_residuals(res, rank, world_of(cols))
+            extra = row_residuals(res, rank)
             comp, comm = with_residuals(comp, comm, extra)
     st = stage(shape, gpu, coeff, software, rank, comp, comm)
     if rank.measured is None:
