@@ -24,6 +24,7 @@ from workbench.train.model import Block, build, cross_entropy, rope_tables
 from workbench.train.optimizer import make_optimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Ops = Dict[str, Callable[[], object]]  # an operation to time, by part (fwd, bwd, both)
 Progress = Callable[[str], None]
 
 
@@ -42,17 +43,14 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
     return contextlib.nullcontext()
 
 
-def gemm_times(shape: Gemm, tokens: int, dtype: str, device: torch.device,
-               timing: Timing = Timing()) -> tuple[float, float]:
-    """(forward, backward) seconds of one linear: y = x W^T, then dX = dY W and dW = dY^T X,
-    the two products autograd runs for it."""
+def gemm_ops(shape: Gemm, tokens: int, dtype: str, device: torch.device) -> Ops:
+    """One linear's forward, y = x W^T, and its backward, dX = dY W and dW = dY^T X (the two
+    products autograd runs for it)."""
     dt = DTYPES[dtype]
     x = torch.randn(tokens, shape.k, device=device, dtype=dt)
     w = torch.randn(shape.n, shape.k, device=device, dtype=dt)
     dy = torch.randn(tokens, shape.n, device=device, dtype=dt)
-    fwd = median_s(lambda: F.linear(x, w), device, timing)
-    bwd = median_s(lambda: (dy.mm(w), dy.t().mm(x)), device, timing)
-    return fwd, bwd
+    return {"fwd": lambda: F.linear(x, w), "bwd": lambda: (dy.mm(w), dy.t().mm(x))}
 
 
 def rank_block(cfg: ModelConfig, tp: int) -> Block:
@@ -79,9 +77,8 @@ def batch_shape(tokens: int, seq_len: int) -> tuple[int, int]:
     return 1, tokens
 
 
-def block_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device,
-                timing: Timing = Timing()) -> tuple[float, float]:
-    """(forward, backward) seconds of one training block at `tokens` per micro-batch."""
+def block_ops(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device) -> Ops:
+    """One training block at `tokens` per micro-batch: its forward, and forward + backward."""
     block = rank_block(cfg, tp).to(device)
     b, s = batch_shape(tokens, cfg.seq_len)
     rope = rope_tables(cfg, device)[:s] if cfg.family == "llama" else None
@@ -95,21 +92,18 @@ def block_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torc
     def both() -> None:
         forward().backward(grad)
 
-    fwd = median_s(forward, device, timing)
-    return fwd, max(0.0, median_s(both, device, timing) - fwd)
+    return {"fwd": forward, "both": both}
 
 
-def loss_times(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device,
-               timing: Timing = Timing()) -> tuple[float, float]:
-    """(forward, backward) seconds of the cross-entropy over a rank's logits (the head GEMM
-    is a Gemm of its own): softmax over vocab/tp columns in fp32, as training computes it."""
+def loss_ops(cfg: ModelConfig, tp: int, tokens: int, dtype: str, device: torch.device) -> Ops:
+    """The cross-entropy over a rank's logits (the head GEMM is a Gemm of its own), softmax
+    over vocab/tp columns in fp32 as training computes it: forward, and forward + backward."""
     b, s = batch_shape(tokens, cfg.seq_len)
     logits = torch.randn(b, s, cfg.vocab // tp, device=device, dtype=DTYPES[dtype],
                          requires_grad=True)
     target = torch.randint(0, cfg.vocab // tp, (b, s), device=device)
-    fwd = median_s(lambda: cross_entropy(logits, target), device, timing)
-    both = median_s(lambda: cross_entropy(logits, target).backward(), device, timing)
-    return fwd, max(0.0, both - fwd)
+    return {"fwd": lambda: cross_entropy(logits, target),
+            "both": lambda: cross_entropy(logits, target).backward()}
 
 
 def optimizer_times(cfg: RunConfig, device: torch.device, timing: Timing = Timing()

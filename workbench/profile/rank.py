@@ -26,7 +26,7 @@ from workbench.plan.cost.shapes import block_key, model_shape
 from workbench.profile import comms
 from workbench.profile import compute as cm
 from workbench.profile.spec import ProfileSpec
-from workbench.profile.timing import Timing
+from workbench.profile.timing import Timing, interleaved_medians
 
 Progress = Callable[[str], None]
 
@@ -98,10 +98,13 @@ def compute_level(spec: ProfileSpec, cfg: RunConfig, device: torch.device, ranks
         rows = {"dtype": dtype, "k": [], "n": [], "tokens": [], "fwd_s": [], "bwd_s": []}
         for i, shape in enumerate(shapes):
             show(f"compute x{ranks}: {dtype} GEMM {shape.k}x{shape.n} ({i + 1}/{len(shapes)})")
+            ops = {(tok, part): fn for tok in spec.tokens
+                   for part, fn in cm.gemm_ops(shape, tok, dtype, device).items()}
+            times = interleaved_medians(ops, device, timing)
             for tok in spec.tokens:
-                fwd, bwd = cm.gemm_times(shape, tok, dtype, device, timing)
                 for key, v in zip(("k", "n", "tokens", "fwd_s", "bwd_s"),
-                                  (shape.k, shape.n, tok, fwd, bwd)):
+                                  (shape.k, shape.n, tok, times[(tok, "fwd")],
+                                   times[(tok, "bwd")])):
                     rows[key].append(v)
         level["gemm"].append(rows)
         for m in models:
@@ -137,11 +140,18 @@ def _block_table(model: ModelConfig, spec: ProfileSpec, dtype: str, device: torc
                             "loss_fwd_s": [], "loss_bwd_s": []}
     for tp in (t for t in spec.tps if model.n_heads % t == 0 and model.n_kv_heads % t == 0):
         show(f"compute x{ranks}: {dtype} {model.name} block, tp {tp}")
+        ops = {(what, tok, part): fn for tok in spec.tokens
+               for what, made in (("block", cm.block_ops(model, tp, tok, dtype, device)),
+                                  ("loss", cm.loss_ops(model, tp, tok, dtype, device)))
+               for part, fn in made.items()}
+        t = interleaved_medians(ops, device, timing)
         for tok in spec.tokens:
-            fwd, bwd = cm.block_times(model, tp, tok, dtype, device, timing)
-            lf, lb = cm.loss_times(model, tp, tok, dtype, device, timing)
+            values = (tp, tok, t[("block", tok, "fwd")],
+                      max(0.0, t[("block", tok, "both")] - t[("block", tok, "fwd")]),
+                      t[("loss", tok, "fwd")],
+                      max(0.0, t[("loss", tok, "both")] - t[("loss", tok, "fwd")]))
             for key, v in zip(("tp", "tokens", "fwd_s", "bwd_s", "loss_fwd_s", "loss_bwd_s"),
-                              (tp, tok, fwd, bwd, lf, lb)):
+                              values):
                 rows[key].append(v)
     return rows
 

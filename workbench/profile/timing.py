@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Dict, Hashable, List
 
 import torch
 
@@ -50,3 +50,27 @@ def median_s(fn: Callable[[], object], device: torch.device, timing: Timing = Ti
         synchronize(device)
         samples.append((time.perf_counter() - t0) / reps)
     return statistics.median(samples)
+
+
+def interleaved_medians(ops: Dict[Hashable, Callable[[], object]], device: torch.device,
+                        timing: Timing = Timing()) -> Dict[Hashable, float]:
+    """Median seconds of one call of each op, its trials taken in turn with the others' (every
+    op once, then every op again): a slow spell of the machine then spoils one trial of each
+    instead of every trial of one."""
+    reps: Dict[Hashable, int] = {}
+    for key, fn in ops.items():  # warm up, and repeat an op until a trial is long enough
+        fn()
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        reps[key] = max(1, int(timing.trial_s / max(time.perf_counter() - t0, 1e-7)))
+    samples: Dict[Hashable, List[float]] = {key: [] for key in ops}
+    for _ in range(timing.trials):
+        for key, fn in ops.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[key]):
+                fn()
+            synchronize(device)
+            samples[key].append((time.perf_counter() - t0) / reps[key])
+    return {key: statistics.median(v) for key, v in samples.items()}
