@@ -6,7 +6,7 @@ from datasheet figures alone, all in one run.
 
 Every layout runs gpt_tiny through the real engine and loop (workbench.testing.multirank: one
 spawned gloo group per world size; over the link each rank sits in its own network namespace
-behind a `tc`-limited NIC, so it needs root). Measured: the median step after the first, averaged over two interleaved rounds.
+behind a `tc`-limited NIC, so it needs root). Measured: the median step after the first, the median of three interleaved rounds.
 Predicted: `estimate()` on the profiled cluster file (`cluster=bench_here`, `bench_link`) and
 on `local_cpu` (the datasheet figures; over the link its NIC rate set to the link's). The
 default run is also checked as a user runs it: `python -m workbench.run cluster=bench_here
@@ -46,7 +46,7 @@ from workbench.profile.spec import spec_for
 from workbench.testing import netns
 from workbench.testing.multirank import Case, median_after_first, run_cases, run_single
 
-ROUNDS = 2  # each layout is measured this many times, interleaved; the mean of their medians
+ROUNDS = 3  # each layout is measured this many times, interleaved; the median of their medians
 # (name, world, overrides, split): "link" rows run 2 ranks over the limited link.
 LAYOUTS = [
     ("single mb16", 1, [], "dev"),
@@ -126,7 +126,7 @@ def measure(world: Any, rows: List[Dict[str, Any]], steps: int, root: Path,
             name = rows[i % len(rows)]["name"]
             raise RuntimeError(f"{name}: {res['error']}\n{res.get('traceback', '')}")
     for i, row in enumerate(rows):
-        row["measured_s"] = statistics.mean(
+        row["measured_s"] = statistics.median(
             median_after_first(results[i + r * len(rows)]["history"], "step_time_s")
             for r in range(ROUNDS))
 

@@ -4,10 +4,12 @@ A probe is one micro-batch of the real engine for one kind of parallelism at one
 models of one layer and of three (workbench/profile/probes.py). The cost model prices the same
 probe from its curves; what the probe took beyond that price is the engine's own cost (Python
 hooks, DTensor dispatch, FSDP2's copies, autograd's graph): per layer (half of three layers
-less one) and per micro-batch (one layer less its layer), each the median over the probed
-micro-batches. A layout pays the plain
+less one) and per micro-batch (one layer less its layer), each a least-squares line in tokens
+through the probed micro-batches. A layout pays the plain
 probe's residuals, and for each kind of parallelism it uses the difference its kind's probe
-made, at its degree (the nearest probed). No run is fitted:
+made, at its degree (the nearest probed); the engine's work runs on the cores the ranks
+share, so a residual probed while k ranks shared them takes longer by the ratio of
+oversubscription when a layout puts more ranks on them. No run is fitted:
 the probes are part of the profile, measured before any run they price.
 """
 
@@ -90,39 +92,44 @@ def residuals(measured: Measured, shape: ModelShape,
         measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
         tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
         one_layer = ((measured_3 - measured_1) - (priced[3] - priced[1])) / 2
-        layer[(kind, degree)] = _constant(tokens, one_layer)
-        per_mb[(kind, degree)] = _constant(tokens, measured_1 - priced[1] - one_layer)
+        layer[(kind, degree)] = _line(tokens, one_layer)
+        per_mb[(kind, degree)] = _line(tokens, measured_1 - priced[1] - one_layer)
     out = Residuals(layer, per_mb, measured.cores)
     measured.cache[("residuals", key)] = out
     return out
 
 
-def _constant(tokens: np.ndarray, seconds: np.ndarray) -> Curve:
-    """The median over the probed micro-batches, at every token count: what the engine adds
-    is work per call (hooks, dispatch), not per token, and one probe in three is off by a
-    slow spell of the machine."""
-    return tokens, np.full(len(tokens), float(np.median(seconds)))
+def _line(tokens: np.ndarray, seconds: np.ndarray) -> Curve:
+    """The least-squares line through the probed micro-batches, as its values there: what the
+    engine adds is partly per call (hooks, dispatch) and partly per byte (copies around its
+    collectives), and a line through three probes is steadier than any one of them."""
+    if len(tokens) < 2:
+        return tokens, seconds
+    slope, intercept = np.polyfit(tokens, seconds, 1)
+    return tokens, intercept + slope * tokens
 
 
 def _step(terms: Arrays) -> np.ndarray:
     return sum(terms[k] for k in STEP_PARTS)
 
 
-def row_residuals(res: Residuals, rank: PerRank) -> Arrays:
+def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:
     """Each row's residuals, by the term they belong to: per layer and micro-batch `layer`
     (the plain probe's, on the layer's compute), `recompute`, `tp`, `cp`; per micro-batch
     `micro_batch`; and the data-parallel kinds' per layer `fsdp` (each micro-batch) and `ddp`
     (once a step)."""
     cols, tokens = rank.cols, rank.tokens
     one = np.ones(len(tokens))
+    shared = np.maximum(1.0, world / res.cores)  # ranks per core in the layout priced
 
     def delta(table: str, kind: str, degree: np.ndarray, on: np.ndarray) -> np.ndarray:
-        own = res.at(table, kind, degree, tokens)
-        return np.where(on, own - res.at(table, "plain", one, tokens), 0.0)
+        probed = np.maximum(1.0, np.asarray(degree, float) / res.cores)
+        own = res.at(table, kind, degree, tokens) / probed
+        return np.where(on, (own - res.at(table, "plain", one, tokens)) * shared, 0.0)
 
     tp_kind = np.where(cols["sp"] > 0, 1, 0)
-    out = {"layer": res.at("layer", "plain", one, tokens),
-           "micro_batch": res.at("micro_batch", "plain", one, tokens),
+    out = {"layer": res.at("layer", "plain", one, tokens) * shared,
+           "micro_batch": res.at("micro_batch", "plain", one, tokens) * shared,
            "recompute": delta("layer", "recompute", one, rank.full_share > 0) * rank.full_share}
     for name, kind, degree in (("tp", "tp", cols["tp"]), ("cp", "cp", cols["cp"]),
                                ("fsdp", "fsdp", cols["dps"]),

@@ -66,7 +66,7 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
         res = residuals(rank.measured, shape, lambda s, c: evaluate(
             s, gpu, coeff, software, c, engine=False)) if engine else None
         if res is not None:
-            extra = row_residuals(res, rank)
+            extra = row_residuals(res, rank, world_of(cols))
             comp, comm = with_residuals(comp, comm, extra)
     st = stage(shape, gpu, coeff, software, rank, comp, comm)
     if rank.measured is None:
