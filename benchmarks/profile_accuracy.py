@@ -6,7 +6,8 @@ from datasheet figures alone, all in one run.
 
 Every layout runs gpt_tiny through the real engine and loop (workbench.testing.multirank: one
 spawned gloo group per world size; over the link each rank sits in its own network namespace
-behind a `tc`-limited NIC, so it needs root). Measured: the median step after the first, the median of three interleaved rounds.
+behind a `tc`-limited NIC, so it needs root). Measured: the median step after the first, the
+median of three interleaved rounds.
 Predicted: `estimate()` on the profiled cluster file (`cluster=bench_here`, `bench_link`) and
 on `local_cpu` (the datasheet figures; over the link its NIC rate set to the link's). The
 default run is also checked as a user runs it: `python -m workbench.run cluster=bench_here
@@ -209,7 +210,12 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--rate-mbit", type=float, default=100.0)
     ap.add_argument("--quick", action="store_true", help="quick profiles, 3 steps, no verdict")
     ap.add_argument("--json", default="")
+    ap.add_argument("--reuse", default="", metavar="DIR",
+                    help="predict again from an earlier run's folder (its profiles and "
+                         "measurements), measuring nothing")
     args = ap.parse_args(argv)
+    if args.reuse:
+        return reuse(Path(args.reuse), args)
     reason = netns.unavailable_reason()
     if reason:
         print(f"error: the rate-limited link {reason}", file=sys.stderr)
@@ -235,6 +241,36 @@ def main(argv: List[str]) -> int:
         predict(row, args.rate_mbit)
     (root / "default").mkdir()
     default = default_run(conf, root / "default")
+    keep = ("name", "world", "split", "overrides", "measured_s")
+    (root / "measured.json").write_text(json.dumps(
+        {"rows": [{k: r[k] for k in keep} for r in rows], "default_run": default,
+         "rate_mbit": args.rate_mbit, "steps": steps}))
+    print(f"profiles and measurements kept in {root} (--reuse {root})", file=sys.stderr)
+    return finish(rows, default, args)
+
+
+def reuse(root: Path, args: argparse.Namespace) -> int:
+    """Predict again from an earlier run's folder: its cluster files and measured steps."""
+    os.environ["WORKBENCH_CONF"] = str(root / "conf")
+    data = json.loads((root / "measured.json").read_text())
+    rows = data["rows"]
+    for row in rows:
+        n = 2 if row["world"] == "link" else int(row["world"])
+        cfg = compose(base_overrides(data["steps"], n) + row["overrides"])
+        row.update(cfg=cfg, layout=layouts.resolve(cfg.layout, cfg.train, n))
+        predict(row, data["rate_mbit"])
+    default = data["default_run"]
+    default["pred_s"] = estimate(*_default_inputs()).step_time_s
+    return finish(rows, default, args)
+
+
+def _default_inputs() -> tuple:
+    cfg = compose(["cluster=bench_here"])
+    return cfg.model, cfg.cluster, cfg.train, layouts.resolve(cfg.layout, cfg.train, 1)
+
+
+def finish(rows: List[Dict[str, Any]], default: Dict[str, float],
+           args: argparse.Namespace) -> int:
     ok = report(rows, default, args.quick)
     if args.json:
         keep = ("name", "world", "split", "measured_s", "profile_s", "datasheet_s")

@@ -32,7 +32,7 @@ from workbench.plan.cost.measured_terms import (
     measured_optimizer_s,
 )
 from workbench.plan.cost.memory import memory
-from workbench.plan.cost.per_rank import Arrays, per_rank
+from workbench.plan.cost.per_rank import Arrays, per_rank, world_of
 from workbench.plan.cost.shapes import ModelShape, model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
