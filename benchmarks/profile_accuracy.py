@@ -13,10 +13,12 @@ on `local_cpu` (the datasheet figures; over the link its NIC rate set to the lin
 default run is also checked as a user runs it: `python -m workbench.run cluster=bench_here
 train.steps=30`, its logged pred/step_time_s against its median step.
 
-Development and held-out rows: the rows marked `dev` are the ones the measured terms were
-developed against; the others were not looked at before the terms were fixed, and are reported
-apart. Verdict (not in --quick, a smoke test at CI size): over all rows, median error at most
-10% and Spearman at least 0.9; the default run within 15%. Exit 1 when it fails.
+Development and held-out rows: the 17 rows marked `dev` are the ones the measured terms were
+developed against (every choice in workbench/plan/cost/engine_residuals.py and
+measured_terms.py was made looking at them); the 14 `held-out` rows were defined, in the
+commit before their first run, after those choices were fixed. Verdict (not in --quick, a smoke
+test at CI size that measures one layout per world size): on the held-out rows, median error at
+most 10% and Spearman at least 0.9; the default run within 15%. Exit 1 when it fails.
 """
 
 from __future__ import annotations
@@ -51,25 +53,43 @@ ROUNDS = 3  # each layout is measured this many times, interleaved; the median o
 # (name, world, overrides, split): "link" rows run 2 ranks over the limited link.
 LAYOUTS = [
     ("single mb16", 1, [], "dev"),
-    ("single mb4 x4", 1, ["train.micro_batch=4"], "held-out"),
-    ("single recompute=full", 1, ["layout.recompute=full"], "held-out"),
+    ("single mb4 x4", 1, ["train.micro_batch=4"], "dev"),
+    ("single recompute=full", 1, ["layout.recompute=full"], "dev"),
     ("ddp", 2, ["layout=ddp"], "dev"),
-    ("fsdp", 2, ["layout=fsdp"], "held-out"),
+    ("fsdp", 2, ["layout=fsdp"], "dev"),
     ("tp", 2, ["layout=tp"], "dev"),
-    ("tp+sp", 2, ["layout=tp", "layout.sequence_parallel=true"], "held-out"),
-    ("pp 1f1b", 2, ["layout=pp", "train.micro_batch=4"], "held-out"),
+    ("tp+sp", 2, ["layout=tp", "layout.sequence_parallel=true"], "dev"),
+    ("pp 1f1b", 2, ["layout=pp", "train.micro_batch=4"], "dev"),
     ("pp 1f1b split 1-3", 2, ["layout=pp", "train.micro_batch=4", "layout.stage_layers=[1,3]"],
-     "held-out"),
-    ("cp", 2, ["layout.cp=2"], "held-out"),
+     "dev"),
+    ("cp", 2, ["layout.cp=2"], "dev"),
     ("ddp recompute=full mb2", 2, ["layout=ddp", "layout.recompute=full",
-                                   "train.micro_batch=2"], "held-out"),
+                                   "train.micro_batch=2"], "dev"),
     ("ddp x4", 4, ["layout=ddp"], "dev"),
-    ("fsdp x4", 4, ["layout=fsdp"], "held-out"),
-    ("dp2 tp2", 4, ["layout.dp_replicate=2", "layout.tp=2"], "held-out"),
-    ("pp2 dp2", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=4"],
-     "held-out"),
+    ("fsdp x4", 4, ["layout=fsdp"], "dev"),
+    ("dp2 tp2", 4, ["layout.dp_replicate=2", "layout.tp=2"], "dev"),
+    ("pp2 dp2", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=4"], "dev"),
     ("ddp over the link", "link", ["layout=ddp"], "dev"),
-    ("fsdp over the link", "link", ["layout=fsdp"], "held-out"),
+    ("fsdp over the link", "link", ["layout=fsdp"], "dev"),
+    # Held out: layouts no version of the measured terms was looked at on before they were
+    # fixed (defined in the commit before their first run).
+    ("single mb8 x2", 1, ["train.micro_batch=8"], "held-out"),
+    ("single recompute=full mb4 x4", 1, ["layout.recompute=full", "train.micro_batch=4"],
+     "held-out"),
+    ("ddp mb2 x4", 2, ["layout=ddp", "train.micro_batch=2"], "held-out"),
+    ("fsdp recompute=full", 2, ["layout=fsdp", "layout.recompute=full"], "held-out"),
+    ("tp mb4 x4", 2, ["layout=tp", "train.micro_batch=4"], "held-out"),
+    ("pp gpipe", 2, ["layout=pp", "layout.pp_schedule=gpipe", "train.micro_batch=4"],
+     "held-out"),
+    ("pp interleaved v2", 2, ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
+                              "layout.virtual_stages=2", "train.micro_batch=4"], "held-out"),
+    ("cp recompute=full", 2, ["layout.cp=2", "layout.recompute=full"], "held-out"),
+    ("tp4", 4, ["layout.tp=4"], "held-out"),
+    ("dp2 cp2", 4, ["layout.dp_replicate=2", "layout.cp=2"], "held-out"),
+    ("fsdp2 tp2", 4, ["layout.dp_shard=2", "layout.tp=2"], "held-out"),
+    ("pp2 tp2", 4, ["layout.pp=2", "layout.tp=2", "train.micro_batch=4"], "held-out"),
+    ("tp over the link", "link", ["layout=tp"], "held-out"),
+    ("pp over the link", "link", ["layout=pp", "train.micro_batch=4"], "held-out"),
 ]
 
 
@@ -103,7 +123,7 @@ def profile_link(conf: Path, work: Path, link: netns.LimitedLink, quick: bool) -
 
 
 def measure(world: Any, rows: List[Dict[str, Any]], steps: int, root: Path,
-            link: Optional[netns.LimitedLink]) -> None:
+            link: Optional[netns.LimitedLink], rounds: int = ROUNDS) -> None:
     """Run the rows of one world size (or the link) and record their median step."""
     n = 2 if world == "link" else int(world)
     cases = []
@@ -114,13 +134,13 @@ def measure(world: Any, rows: List[Dict[str, Any]], steps: int, root: Path,
         row.update(cfg=cfg, layout=layout)
         cases.append(Case(row["name"], cfg, layout, ""))
     data = load_data(cases[0].cfg.data)
-    rounds = cases * ROUNDS  # every layout once, then again: a slow spell falls on several
+    every = cases * rounds  # every layout once, then again: a slow spell falls on several
     if n == 1:
         torch.set_num_threads(threads_for(1))
         results = [run_single(c.cfg, c.layout, data, str(root / f"single{i}"))
-                   for i, c in enumerate(rounds)]
+                   for i, c in enumerate(every)]
     else:
-        results = run_cases(n, rounds, data, str(root / f"w{world}"), timeout_s=1800,
+        results = run_cases(n, every, data, str(root / f"w{world}"), timeout_s=1800,
                             netns=link.namespaces if link else None)
     for i, res in enumerate(results):
         if "error" in res:
@@ -129,7 +149,7 @@ def measure(world: Any, rows: List[Dict[str, Any]], steps: int, root: Path,
     for i, row in enumerate(rows):
         row["measured_s"] = statistics.median(
             median_after_first(results[i + r * len(rows)]["history"], "step_time_s")
-            for r in range(ROUNDS))
+            for r in range(rounds))
 
 
 def predict(row: Dict[str, Any], rate_mbit: float) -> None:
@@ -185,6 +205,8 @@ def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool) -
     print()
     for label, part in (("all", rows), ("development", [r for r in rows if r["split"] == "dev"]),
                         ("held-out", [r for r in rows if r["split"] != "dev"])):
+        if len(part) < 2:
+            continue
         p, d = summary(part, "profile_s"), summary(part, "datasheet_s")
         print(f"{label:<12} {len(part):>2} layouts: profile median error "
               f"{p['median_abs_err']:.1%} (max {p['max_abs_err']:.1%}), Spearman "
@@ -197,10 +219,11 @@ def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool) -
     if quick:
         print("(--quick: a smoke test at CI size, no verdict)")
         return True
-    overall = summary(rows, "profile_s")
-    ok = overall["median_abs_err"] <= 0.10 and overall["spearman"] >= 0.9 and abs(err) <= 0.15
-    print(f"verdict: {'PASS' if ok else 'FAIL'} (median error <= 10%, Spearman >= 0.9 over "
-          f"{len(rows)} layouts; the default run within 15%)")
+    held = [r for r in rows if r["split"] != "dev"]
+    scored = summary(held, "profile_s")
+    ok = scored["median_abs_err"] <= 0.10 and scored["spearman"] >= 0.9 and abs(err) <= 0.15
+    print(f"verdict: {'PASS' if ok else 'FAIL'} (median error <= 10%, Spearman >= 0.9 over the "
+          f"{len(held)} held-out layouts; the default run within 15%)")
     return ok
 
 
@@ -228,15 +251,19 @@ def main(argv: List[str]) -> int:
     print("profiling this machine (4 ranks over loopback) ...", file=sys.stderr, flush=True)
     profile_here(conf, root / "here", args.quick)
     rows = [{"name": n, "world": w, "overrides": o, "split": s} for n, w, o, s in LAYOUTS]
+    if args.quick:  # a smoke test: one layout of each world size
+        rows = [next(r for r in rows if r["world"] == w) for w in (1, 2, 4, "link")]
     for world in (1, 2, 4):
         print(f"measuring the layouts of {world} rank(s) ...", file=sys.stderr, flush=True)
-        measure(world, [r for r in rows if r["world"] == world], steps, root, None)
+        measure(world, [r for r in rows if r["world"] == world], steps, root, None,
+                1 if args.quick else ROUNDS)
     with netns.LimitedLink(2, args.rate_mbit) as link:
         print(f"profiling and measuring over a {args.rate_mbit:g} Mbit/s link ...",
               file=sys.stderr, flush=True)
         (root / "link").mkdir()
         profile_link(conf, root / "link", link, args.quick)
-        measure("link", [r for r in rows if r["world"] == "link"], steps, root, link)
+        measure("link", [r for r in rows if r["world"] == "link"], steps, root, link,
+                1 if args.quick else ROUNDS)
     for row in rows:
         predict(row, args.rate_mbit)
     (root / "default").mkdir()

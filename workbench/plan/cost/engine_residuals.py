@@ -125,10 +125,13 @@ def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:
     def delta(table: str, kind: str, degree: np.ndarray, on: np.ndarray) -> np.ndarray:
         probed = np.maximum(1.0, np.asarray(degree, float) / res.cores)
         own = res.at(table, kind, degree, tokens) / probed
-        return np.where(on, (own - res.at(table, "plain", one, tokens)) * shared, 0.0)
+        base = res.at(table, "plain", one, tokens) if table == "micro_batch" else 0.0
+        return np.where(on, (own - base) * shared, 0.0)
 
     tp_kind = np.where(cols["sp"] > 0, 1, 0)
-    out = {"layer": res.at("layer", "plain", one, tokens) * shared,
+    # A layer of one rank is the measured block itself: the plain probe's per-layer residual
+    # is the machine's drift between the two measurements, not the engine's, and is left out.
+    out = {"layer": np.zeros(len(tokens)),
            "micro_batch": res.at("micro_batch", "plain", one, tokens) * shared,
            "recompute": delta("layer", "recompute", one, rank.full_share > 0) * rank.full_share}
     for name, kind, degree in (("tp", "tp", cols["tp"]), ("cp", "cp", cols["cp"]),
