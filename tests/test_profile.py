@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import cli, only_run
+from conftest import REPO, cli, only_run
 
 from workbench.compose import compose
 from workbench.config_rules import installed_torch
@@ -52,6 +52,14 @@ def test_profile_writes_a_cluster_file_that_runs_and_plans_use(workdir):
                workdir)
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "measured (profile of" in plan.stdout
+
+    # the GPU session's prediction check, on the CPU against this profile (a world of one)
+    check = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_predict.py"),
+                            "cluster=here", "--datasheet", "local_cpu", "--device", "cpu",
+                            "--micro-batches", "2", "--steps", "3", "data.max_bytes=1000000"],
+                           cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert "mb2 recompute=full" in check.stdout and "median |error|: profile" in check.stdout
 
 
 def test_an_interrupted_profile_leaves_no_file(workdir):

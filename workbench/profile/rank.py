@@ -218,16 +218,19 @@ def run(spec: ProfileSpec, cfg: RunConfig, rank: int, world: int, show: Progress
             _barrier(world)
             rounds[-1].append(level)
     if rank == 0:
-        out["compute"] = [mean_of_rounds(list(same)) for same in zip(*rounds)]
+        out["compute"] = [least_of_rounds(list(same)) for same in zip(*rounds)]
     if world > 1:
         torch.set_num_threads(threads_for(on_host)) if device.type == "cpu" else None
         out["comms"] = collectives(spec, device, node_of, show)
     return out if rank == 0 else None
 
 
-def mean_of_rounds(levels: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One level from the same level measured in several rounds: every timing the mean of its
-    rounds (the rounds measure the same shapes in the same order)."""
+def least_of_rounds(levels: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One level from the same level measured in several rounds: every timing the least of its
+    rounds (the rounds measure the same shapes in the same order). Each round's figure is
+    already a median over trials, so it keeps the typical jitter; a slow spell that outlasts a
+    shape's trials (another process on a shared core stalls every call of a two-thread GEMM for
+    a scheduler slice) only adds time, and falls on one round."""
     def merge(parts: List[Any]) -> Any:
         first = parts[0]
         if isinstance(first, dict):
@@ -235,7 +238,7 @@ def mean_of_rounds(levels: List[Dict[str, Any]]) -> Dict[str, Any]:
         if isinstance(first, list):
             return [merge(list(v)) for v in zip(*parts)]
         if isinstance(first, float):
-            return sum(parts) / len(parts)
+            return min(parts)
         return first
 
     return merge(levels)

@@ -27,7 +27,7 @@ class ProfileSpec:
     trial_s: float = 0.01  # each compute timing: `trials` trials at least this long
     trials: int = 5
     probe_micro_batches: List[int] = field(default_factory=lambda: [1, 4, 16])
-    rounds: int = 2  # compute tables measured this many times over, averaged
+    rounds: int = 2  # compute tables measured this many times over, the least kept
 
 
 def powers_of_two(low: int, high: int) -> List[int]:
