@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared run for a one-GPU machine (the `device` tool's nvidia-h200, 15
 # minutes of device time per session):
-#   1. benchmarks/gpu_mfu.py (1.24B Llama, bf16, fused AdamW, flash attention, compiled blocks,
+#   1. profile the GPU first (`python -m workbench.profile cluster=local_gpu --name gpu` at GPT-2
+#      124M shape: its GEMMs, block, loss, optimizer and memory) into conf/cluster/gpu.yaml,
+#      then benchmarks/gpu_predict.py: one-rank layouts predicted from that profile and from the
+#      datasheet, then measured (the planner's accuracy on this device, at once);
+#   2. benchmarks/gpu_mfu.py (1.24B Llama, bf16, fused AdamW, flash attention, compiled blocks,
 #      30 steps) and the same eager, so the compile gain is measured in the same run;
-#   2. the low-rank comparison at GPT-2 124M shape (byte vocabulary) on one GPU, bf16: full
-#      rank, adaptive and fixed low rank at equal tokens (val_loss, tokens/s, MFU), through
-#      `python -m workbench.run ... tracking=none` (the image has no MLflow).
+#   3. (`lowrank`, a second command if time is left) the low-rank comparison at GPT-2 124M
+#      shape (byte vocabulary) on one GPU, bf16: full rank, adaptive and fixed low rank at equal
+#      tokens, through `python -m workbench.run ... tracking=none` (the image has no MLflow).
 # The device image has torch but not Hydra/omegaconf: build their wheels here, carry them.
 #
 #   here:    bash benchmarks/gpu_session.sh prepare        # wheels -> .whl/ (git-ignored)
-#   device:  run(command="bash benchmarks/gpu_session.sh run", carry=[".whl"], timeout_s=540)
+#   device:  run(command="bash benchmarks/gpu_session.sh run", carry=[".whl"], timeout_s=560)
+#            run(command="bash benchmarks/gpu_session.sh lowrank local_gpu 200", carry=[".whl"])
 #
-# Figures land in $OUT (gpu.txt, gpu_mfu.log, gpu_mfu_eager.log); each part has its own
-# timeout so one hang leaves the rest.
+# Figures land in $OUT (gpu.txt, profile.log, gpu.yaml, gpu_predict.log, gpu_mfu.log,
+# gpu_mfu_eager.log); each part has its own timeout so one hang leaves the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,10 +51,16 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,power.limit,clocks.max.sm --format=csv \
       | tee "$out/gpu.txt"
     python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
-    timeout 300 python3 benchmarks/gpu_mfu.py --steps 30 2>&1 | tee "$out/gpu_mfu.log" || true
-    timeout 120 python3 benchmarks/gpu_mfu.py --steps 15 --warmup-steps 5 --no-compile 2>&1 \
+    gpt2=(model=gpt2_124m model.vocab=256)
+    rm -f conf/cluster/gpu.yaml
+    timeout 150 python3 -m workbench.profile cluster=local_gpu --name gpu "${gpt2[@]}" 2>&1 \
+      | tee "$out/profile.log" || true
+    cp conf/cluster/gpu.yaml "$out/" 2>/dev/null || echo "no profile written" | tee -a "$out/profile.log"
+    [ -f conf/cluster/gpu.yaml ] && { timeout 120 python3 benchmarks/gpu_predict.py cluster=gpu \
+      "${gpt2[@]}" --datasheet local_gpu 2>&1 | tee "$out/gpu_predict.log" || true; }
+    timeout 210 python3 benchmarks/gpu_mfu.py --steps 30 2>&1 | tee "$out/gpu_mfu.log" || true
+    timeout 60 python3 benchmarks/gpu_mfu.py --steps 15 --warmup-steps 5 --no-compile 2>&1 \
       | tee "$out/gpu_mfu_eager.log" || true
-    lowrank_runs local_gpu 200 2>&1 | tee "$out/lowrank.log"
     ;;
   lowrank)  # the comparison alone: lowrank CLUSTER STEPS [overrides...]; a CPU try:
     # bash benchmarks/gpu_session.sh lowrank local_cpu 8 model.n_layers=2 model.hidden=64 \

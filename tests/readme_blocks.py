@@ -49,6 +49,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/lowrank_scaling_probe.py": ["--worlds", "2", "--steps", "3"],
     "benchmarks/lowrank_sync_probe.py": ["--busy-ms", "0", "--iters", "20", "--rounds", "1",
                                         "--steps", "4"],
+    "benchmarks/profile_accuracy.py": ["--quick"],  # quick profiles, a layout a world size
 }
 
 
@@ -140,6 +141,8 @@ def scaled(cmd: str, extra: List[str] = (), own_steps: bool = False) -> str:
         small = small + list(extra)
         keys = {s.split("=")[0] for s in small}
         words = [w for w in words if w.split("=")[0] not in keys] + small
+    elif words[:3] == ["python", "-m", "workbench.profile"] and "--quick" not in words:
+        words = words + ["--quick"]  # the same measurements, fewer sizes and shorter trials
     elif len(words) >= 2 and words[0] == "python" and words[1] in SMALL:
         words = words + SMALL[words[1]]
     if "$(" in cmd:

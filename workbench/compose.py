@@ -17,6 +17,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from workbench import conf_search
 from workbench.config import CONF_DIR, RunConfig, register
 from workbench.config_rules import validate
 from workbench.errors import ConfigError
@@ -31,13 +32,20 @@ def compose_dict(overrides: Sequence[str]) -> DictConfig:
     from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
 
     register()
+    conf_search.check_all()
     _parse_each(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
+            return compose(config_name="config",
+                           overrides=list(overrides) + conf_search.searchpath_override())
     except MissingConfigException as e:
         raise _missing_option(e, overrides) from None
+    except yaml.YAMLError as e:  # a config file (a hand-edited cluster file, say) is not YAML
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name}:{mark.line + 1}" if mark else "a config file"
+        raise ConfigError(where, "", f"not valid YAML: {getattr(e, 'problem', None) or e}"
+                          ) from None
     except (ConfigCompositionException, HydraException, OmegaConfBaseException,
             ValueError) as e:
         err = _hydra_error(e)
@@ -58,9 +66,10 @@ def _parse_each(overrides: Sequence[str]) -> None:
         name = key.lstrip("+~")
         if sep and not name:
             raise ConfigError(ov, "", "no key before '='")
-        if sep and "." not in name and (CONF_DIR / name).is_dir() and \
-                value not in _options(name):
-            raise ConfigError(name, value, f"no such option; valid: {', '.join(_options(name))}")
+        if sep and "." not in name and conf_search.is_group(name):
+            valid = conf_search.options(name)  # also refuses an option defined twice
+            if value not in valid:
+                raise ConfigError(name, value, f"no such option; valid: {', '.join(valid)}")
         try:
             parser.parse_override(ov)
         except HydraException as e:
@@ -159,8 +168,7 @@ def compose(overrides: Sequence[str]) -> RunConfig:
 
 
 def _options(group: str) -> List[str]:
-    folder = CONF_DIR / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    return conf_search.options(group) if conf_search.is_group(group) else []
 
 
 def _missing_option(e: Exception, overrides: Sequence[str]) -> ConfigError:
@@ -172,7 +180,7 @@ def _missing_option(e: Exception, overrides: Sequence[str]) -> ConfigError:
         return ConfigError(group, option, f"no such option; valid: {', '.join(_options(group))}")
     for ov in overrides:
         key = ov.lstrip("+~").split("=")[0]
-        if "." not in key and (CONF_DIR / key).is_dir():
+        if "." not in key and conf_search.is_group(key):
             return ConfigError(key, ov.split("=", 1)[-1],
                                f"valid: {', '.join(_options(key))}")
     return ConfigError("config", "", _first_line(msg))

@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from workbench.config_profile import ClusterProfile
+
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
@@ -89,6 +91,8 @@ class ClusterConfig:
     # A mixed cluster: its pools and the links between them (empty: one pool, the fields above).
     pools: List[PoolConfig] = field(default_factory=list)
     links: List[PoolLinkConfig] = field(default_factory=list)
+    # Measured curves of this cluster; None: the datasheet figures above and coefficients.
+    profile: Optional[ClusterProfile] = None
 
 
 @dataclass

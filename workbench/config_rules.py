@@ -9,7 +9,14 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import List
 
-from workbench.config import CHOICES, DataConfig, LowRankConfig, RunConfig, TrainConfig
+from workbench.config import (
+    CHOICES,
+    ClusterConfig,
+    DataConfig,
+    LowRankConfig,
+    RunConfig,
+    TrainConfig,
+)
 from workbench.errors import ConfigError
 
 
@@ -95,6 +102,61 @@ def _validate_lowrank(lr: LowRankConfig) -> None:
             raise ConfigError(f"lowrank.{key}", getattr(lr, key), valid)
 
 
+def _validate_profile(cluster: ClusterConfig) -> None:
+    """A measured cluster file is used only where it is valid: measured on this cluster's kind
+    of device and with the torch that will run (a kernel library's update moves every curve),
+    with tables whose columns line up and times that are positive."""
+    prof = cluster.profile
+    if prof is None:
+        return
+    key = "cluster.profile"
+    meta = prof.measured
+    if meta.device_type != cluster.device:
+        raise ConfigError(f"{key}.measured.device_type", meta.device_type,
+                          f"measured on {meta.device_type} but cluster.device={cluster.device}; "
+                          "profile this cluster again (python -m workbench.profile)")
+    installed = installed_torch()
+    if installed and meta.torch != installed:
+        raise ConfigError(f"{key}.measured.torch", meta.torch,
+                          f"measured with torch {meta.torch}, this environment has torch "
+                          f"{installed}; profile again (python -m workbench.profile)")
+    if not prof.compute:
+        raise ConfigError(f"{key}.compute", [], "a profile needs at least one compute level")
+    tables = [(f"{key}.compute[{i}].{name}[{j}]", t, cols)
+              for i, level in enumerate(prof.compute)
+              for name, cols in (("gemm", _GEMM_COLS), ("blocks", _BLOCK_COLS))
+              for j, t in enumerate(getattr(level, name))]
+    tables += [(f"{key}.compute[{i}].elementwise", level.elementwise, ("bytes", "s"))
+               for i, level in enumerate(prof.compute)]
+    tables += [(f"{key}.comms[{i}]", c, ("bytes", "s")) for i, c in enumerate(prof.comms)]
+    for where, table, cols in tables:
+        lengths = {len(getattr(table, c)) for c in cols}
+        if len(lengths) != 1 or not lengths.pop():
+            raise ConfigError(where, "", f"columns {', '.join(cols)} must be non-empty lists "
+                              "of one length")
+        for c in cols:
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                       for v in getattr(table, c)):
+                raise ConfigError(f"{where}.{c}", getattr(table, c),
+                                  "must be finite numbers >= 0")
+    for i, c in enumerate(prof.comms):
+        if c.kind not in COMM_KINDS or c.span not in ("intra", "inter") or c.group < 2:
+            raise ConfigError(f"{key}.comms[{i}]", f"{c.kind} x{c.group} {c.span}",
+                              f"kind in {', '.join(COMM_KINDS)}, span intra|inter, group >= 2")
+
+
+_GEMM_COLS = ("k", "n", "tokens", "fwd_s", "bwd_s")
+_BLOCK_COLS = ("tp", "tokens", "fwd_s", "bwd_s", "loss_fwd_s", "loss_bwd_s")
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def installed_torch() -> str:
+    """torch's version as installed, read without importing it (the driver never loads torch)."""
+    from workbench.track.manifest import versions
+
+    return str(versions()["torch"] or "")
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field rules of a run config; raises ConfigError naming the first bad key."""
     for key, valid in CHOICES.items():
@@ -129,6 +191,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("data.val_frac", cfg.data.val_frac, "must be in (0, 0.5)")
     _validate_mixture(cfg.data)
     _validate_lowrank(cfg.lowrank)
+    _validate_profile(cfg.cluster)
     if cfg.data.name == "tokens" and not cfg.data.path and not cfg.data.sources:
         raise ConfigError("data.path", cfg.data.path,
                           "data=tokens needs a folder made by python -m workbench.data.prepare")

@@ -24,6 +24,10 @@ JOB_NAME = "job.json"
 # What a multi-rank job returns: the loss-holding rank writes it into run_dir at the end, and the
 # torchrun launcher reads it back (its driver never imports the rank code, nor torch).
 FINAL_METRICS = "final_metrics.json"
+# What a job runs on every rank, by kind: the module each launcher starts with `python -m`, and
+# the module whose `run_job(job, progress, stop_requested)` an in-process rank calls.
+ENTRIES = {"train": ("workbench.train", "workbench.rank"),
+           "profile": ("workbench.profile.worker", "workbench.profile.worker")}
 
 
 @dataclass
@@ -35,6 +39,19 @@ class Job:
     data_dir: str = ""
     world_size: int = 1
     tags: Dict[str, str] = field(default_factory=dict)
+    kind: str = "train"  # what every rank runs (ENTRIES): training, or a cluster profile
+    task: Dict[str, Any] = field(default_factory=dict)  # what a non-training kind needs
+
+    def command_module(self) -> str:
+        return ENTRIES[self.kind][0]
+
+    def run_on_this_rank(self, progress: bool = True, stop_requested: Any = None
+                         ) -> Dict[str, float]:
+        """Run this job's rank code in this process (the local and Slurm launchers)."""
+        import importlib
+
+        module = importlib.import_module(ENTRIES[self.kind][1])
+        return module.run_job(self, progress=progress, stop_requested=stop_requested)
 
     def run_config(self) -> RunConfig:
         """The recorded config, checked as on the command line: a job file the code would no

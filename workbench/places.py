@@ -28,6 +28,12 @@ def cache_root(explicit: str = "") -> Path:
     return Path(env) if env else Path.home() / ".cache" / "workbench"
 
 
+def user_conf_dir() -> Path:
+    """The user's own config groups (profiled clusters, own models): $WORKBENCH_CONF, else
+    `conf/` in the working folder, searched before the package's groups."""
+    return Path(os.environ.get("WORKBENCH_CONF") or "conf")
+
+
 def runs_root() -> Path:
     return Path(RUNS_DIR)
 

@@ -20,9 +20,7 @@ class LocalLauncher:
         return 1
 
     def launch(self, job: Job) -> Dict[str, float]:
-        from workbench.rank import run_job  # torch loads only when this process trains
-
-        return run_job(job)
+        return job.run_on_this_rank()  # torch loads only when this process runs a rank
 
     def start(self, job: Job) -> subprocess.Popen:
         """The job's rank in the background (a sweep's trial)."""

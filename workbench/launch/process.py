@@ -4,9 +4,9 @@ local trials start in the background (each in its own session, so a killed or de
 leaves them running and a later driver finds them by pid).
 
 Several ranks run under `torch.distributed.run --standalone`; one rank is the rank entry itself.
-Either way the process is `... -m workbench.train JOB_FILE` and the loss-holding rank writes
-`run_dir/final_metrics.json`, which is how a foreground launch gets its result back (this
-driver never imports the rank code, nor torch).
+Either way the process is `... -m workbench.train JOB_FILE` (a profile job's worker for a
+profile), and the loss-holding rank writes `run_dir/final_metrics.json`, which is how a
+foreground launch gets its result back (this driver never imports the rank code, nor torch).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from workbench.launch.world import RanksFailed, cores
 
 def command(cfg: LauncherConfig, job: Job) -> List[str]:
     """torchrun over the node's ranks for several ranks, the rank entry itself for one."""
-    train = ["-m", "workbench.train", str(job.path)]
+    train = ["-m", job.command_module(), str(job.path)]
     if job.world_size <= 1:
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",

@@ -93,9 +93,7 @@ class TrainTask(submitit.helpers.Checkpointable):
             from workbench.launch.hetjob import rank_tags
 
             _tag_run(job, rank_tags(env.global_rank))
-        from workbench.rank import run_job
-
-        last = run_job(job, progress=False, stop_requested=flag.local)  # the loop agrees
+        last = job.run_on_this_rank(progress=False, stop_requested=flag.local)
         if "stopped_at" not in last:
             # Done: a time-limit warning that arrives now must not kill the exiting process
             # (Slurm would then record FAILED for a finished run).

@@ -112,14 +112,15 @@ def _context(cfg: RunConfig, layout: Layout, data: TokenData, engine: Any, ckpt:
     return ctx
 
 
-def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str
-               ) -> Dict[str, Any]:
+def run_single(cfg: RunConfig, layout: Layout, data: TokenData, ckpt_dir: str,
+               device: str = "cpu") -> Dict[str, Any]:
     """The reference: world size 1 through the same loop and engine, in this process (a
-    process group of one rank for the duration)."""
+    process group of one rank for the duration); `device="cuda"` for a GPU's own step."""
     counter = ByteCounter()
-    with comm.process_group("cpu", 0, 1, counter):
-        engine = make_engine(build(cfg.model, cfg.train.seed), cfg, layout, 0,
-                             torch.device("cpu"), counter)
+    where = torch.device(device)
+    with comm.process_group(where.type, 0, 1, counter):
+        engine = make_engine(build(cfg.model, cfg.train.seed, where), cfg, layout, 0, where,
+                             counter)
         history: List[Dict[str, float]] = []
         ctx = _context(cfg, layout, data, engine,
                        CheckpointDir(Path(ckpt_dir), engine.bookkeeping), 1, history)
@@ -133,6 +134,8 @@ def _run_case(case: Case, data: TokenData, rank: int, world_size: int,
     cfg = case.cfg
     if case.keep_up_to_step is not None:  # as if the run had been killed after that step
         _drop_checkpoints_after(case.ckpt_dir, case.keep_up_to_step, rank)
+    if cfg.train.threads:  # as the rank entry does (train/main.py); else the group's one
+        torch.set_num_threads(cfg.train.threads)
     model = build(cfg.model, cfg.train.seed)
     engine = make_engine(model, cfg, case.layout, rank, torch.device("cpu"), counter)
     history: List[Dict[str, float]] = []

@@ -269,3 +269,23 @@ def small_allreduce_s(link: LimitedLink, nbytes: int = 4096, iters: int = 60) ->
         times = json.load(f)
     os.unlink(out)
     return statistics.median(times)
+
+
+def _job_rank(rank: int, namespaces: List[str], port: int, job_path: str) -> None:
+    """One rank of a job in its namespace: the env:// rendezvous a launcher would set, on the
+    first rank's address over the link, then the job kind's own rank code."""
+    enter_namespace(namespaces[rank])
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(len(namespaces)),
+                       "LOCAL_RANK": "0", "MASTER_ADDR": address(0), "MASTER_PORT": str(port),
+                       "GLOO_SOCKET_IFNAME": IFNAME})
+    from workbench.job import Job
+
+    Job.load(job_path).run_on_this_rank(progress=rank == 0)
+
+
+def run_job_in_namespaces(link: LimitedLink, job_path: str, port: int = 29431) -> None:
+    """Run a job file's ranks one per namespace of `link` (each rank a node of its own, as
+    over a network), as a launcher would: what a profile of the link needs."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_job_rank, args=(link.namespaces, port, job_path), nprocs=link.n, join=True)

@@ -202,6 +202,9 @@ def coefficients(cluster: ClusterConfig, overrides: Mapping[str, float] | None =
                 raise ConfigError(f"cluster.coeff.{name}", value,
                                   f"unknown coefficient; valid: {', '.join(NAMES)}")
             merged[name] = float(value)
+    if cluster.profile is not None and cluster.profile.memory.baseline_bytes > 0:
+        # measured: what a process holds before any model (workbench/profile)
+        merged.setdefault("mem_fixed_bytes", float(cluster.profile.memory.baseline_bytes))
     base = defaults_for(cluster.gpu)
     fp8 = float(getattr(cluster, "peak_fp8_flops", 0.0) or 0.0)
     if fp8 > 0:  # a stated FP8 peak: the FP8 speedups above are of H100's 2x-BF16 one

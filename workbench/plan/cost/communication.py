@@ -79,6 +79,9 @@ class Communication:
     tp_s: np.ndarray  # tensor / sequence parallel collectives of one pass
     cp_fwd_s: np.ndarray  # context parallel K/V exchange, forward
     cp_bwd_s: np.ndarray  # context parallel K/V and dK/dV exchange, backward
+    # The engine's own seconds per layer and micro-batch around them (measured: profile probes)
+    tp_engine_s: np.ndarray | float = 0.0
+    cp_engine_s: np.ndarray | float = 0.0
 
 
 def communication(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Software,

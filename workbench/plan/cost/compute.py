@@ -10,6 +10,7 @@ activation byte (Coefficients.elem_traffic) over the achieved HBM bandwidth.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -34,6 +35,8 @@ class Compute:
     layer_bwd_s: np.ndarray  # whole backward of a layer
     head_s: np.ndarray  # LM head GEMM (forward)
     loss_s: np.ndarray  # loss elementwise (forward)
+    # Backward of the head and loss where measured (None: twice their forward).
+    ends_bwd_s: Optional[np.ndarray] = None
 
 
 def attn_bwd_factor(software: Software) -> float:

@@ -23,9 +23,16 @@ from workbench.plan.cost.columns import Columns, layout_columns
 from workbench.plan.cost.communication import communication
 from workbench.plan.cost.compute import compute
 from workbench.plan.cost.data_parallel import data_parallel
+from workbench.plan.cost.engine_residuals import residuals, row_residuals, with_residuals
 from workbench.plan.cost.hardware import GpuSpec, hardware_for
+from workbench.plan.cost.measured_terms import (
+    measured_communication,
+    measured_compute,
+    measured_data_parallel,
+    measured_optimizer_s,
+)
 from workbench.plan.cost.memory import memory
-from workbench.plan.cost.per_rank import Arrays, per_rank
+from workbench.plan.cost.per_rank import Arrays, per_rank, world_of
 from workbench.plan.cost.shapes import ModelShape, model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
@@ -41,17 +48,41 @@ MEM_TERMS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
 
 
 def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Software,
-             cols: Columns) -> Arrays:
+             cols: Columns, engine: bool = True) -> Arrays:
     """All time and memory terms (TIME_TERMS, MEM_TERMS, their sums step_time_s and
     peak_mem_bytes, time_dp_comm_overlapped_s, stage_micro_batch_s, inflight_layers and the
     memory buffers' parts) for the layouts in `cols`, which has its grad_accum column `ga`.
     Times are per optimizer step on one GPU of the slowest pipeline stage; memory is per GPU of
-    the fullest stage."""
+    the fullest stage. On a profiled cluster `engine` adds the engine's own measured cost
+    (engine_residuals: what its probes took beyond their price, which is this without it)."""
     rank = per_rank(shape, gpu, coeff, software, cols)
     comp = compute(shape, coeff, software, rank)
-    st = stage(shape, gpu, coeff, software, rank, comp,
-               communication(shape, gpu, coeff, software, rank, comp))
-    dp_total, dp_exposed = data_parallel(shape, gpu, coeff, software, rank, st)
+    extra: Arrays = {}
+    if rank.measured is None:
+        comm = communication(shape, gpu, coeff, software, rank, comp)
+    else:  # a profiled cluster: the same terms, their durations measured on it
+        comp = measured_compute(shape, software, rank, comp) or comp
+        comm = measured_communication(shape, software, rank, gpu.gpus_per_node)
+        res = residuals(rank.measured, shape, lambda s, c: evaluate(
+            s, gpu, coeff, software, c, engine=False)) if engine else None
+        if res is not None:
+            extra = row_residuals(res, rank, world_of(cols))
+            comp, comm = with_residuals(comp, comm, extra)
+    st = stage(shape, gpu, coeff, software, rank, comp, comm)
+    if rank.measured is None:
+        dp_total, dp_exposed = data_parallel(shape, gpu, coeff, software, rank, st)
+        optimizer_s = OPTIMIZER_BYTES_PER_PARAM * st.shard_params / rank.hbm_bytes_per_s \
+            / (rank.shard_ranks * (rank.reduce_ranks if software.dist_optimizer else 1.0))
+    else:
+        dp_total, dp_exposed = measured_data_parallel(
+            shape, coeff, software, rank, st.shard_params, st.weight_bytes, st.fwd_s, st.bwd_s,
+            rank.measured.one_host, gpu.gpus_per_node)
+        optimizer_s = measured_optimizer_s(rank, st.shard_params, software.dist_optimizer)
+        if extra:  # the data-parallel kinds' engine cost, per layer: FSDP's per micro-batch
+            in_pipe = cols["pp"] > 1  # (once a step in a pipeline), replication's once a step
+            engine_dp = rank.layers_most * (np.where(in_pipe, 1.0, cols["ga"]) * extra["fsdp"]
+                                            + extra["ddp"])
+            dp_total, dp_exposed = dp_total + engine_dp, dp_exposed + engine_dp
     ga, per_mb = cols["ga"], st.micro_batch_s
     out: Arrays = {
         "time_fwd_s": ga * st.fwd_s, "time_bwd_s": ga * st.bwd_s,
@@ -59,8 +90,7 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
         "time_cp_comm_s": ga * st.cp_s, "time_pp_p2p_s": ga * st.p2p_s,
         "time_pp_bubble_s": (cols["pp"] - 1) / rank.virtual * per_mb,
         "time_dp_comm_exposed_s": dp_exposed,
-        "time_optimizer_s": OPTIMIZER_BYTES_PER_PARAM * st.shard_params / rank.hbm_bytes_per_s
-        / (rank.shard_ranks * (rank.reduce_ranks if software.dist_optimizer else 1.0)),
+        "time_optimizer_s": optimizer_s,
     }
     out["step_time_s"] = sum(out[k] for k in TIME_TERMS)
     out["time_dp_comm_overlapped_s"] = dp_total - dp_exposed

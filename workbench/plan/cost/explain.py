@@ -21,6 +21,7 @@ from workbench.plan.cost.columns import layout_columns
 from workbench.plan.cost.communication import group_bw, nic_rails
 from workbench.plan.cost.estimate import MEM_TERMS, TIME_TERMS, estimate_of_row, evaluate
 from workbench.plan.cost.hardware import GIB, GpuSpec, hardware_for
+from workbench.plan.cost.measured_terms import source, term_sources
 from workbench.plan.cost.per_rank import per_rank
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
@@ -38,6 +39,7 @@ MEMORY_LINES = (
     ("allocator fragmentation", "mem_fragmentation_bytes"),
 )
 FIXED_LABEL = "fixed (CUDA context, NCCL, cuBLAS)"
+MEASURED_FIXED_LABEL = "fixed (measured: a process before any model)"
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Explanation:
     step_time_s: float
     mfu: float
     paths: dict[str, GroupPath]
+    sources: dict[str, str]  # time term -> where its durations come from
+    source: str  # the cluster's figures: a profile (host, date) or the datasheet
 
     @property
     def fits(self) -> bool:
@@ -113,7 +117,8 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
               "data parallel, replicated": (replicas, float(rank.reduce_stride[0])),
               "pipeline send": (2 if layout.pp > 1 else 1, layout.tp * replicas * shards)}
     mem = {label: float(t[k][0]) for label, k in MEMORY_LINES}
-    mem[FIXED_LABEL] = float(t["mem_fixed_bytes"][0] - t["mem_fragmentation_bytes"][0])
+    fixed_label = MEASURED_FIXED_LABEL if gpu.measured else FIXED_LABEL
+    mem[fixed_label] = float(t["mem_fixed_bytes"][0] - t["mem_fragmentation_bytes"][0])
     return Explanation(layout=layout, memory_bytes=mem,
                        peak_bytes=float(sum(t[k][0] for k in MEM_TERMS)),
                        hbm_bytes=gpu.hbm_bytes, margin_bytes=margin_gib * GIB,
@@ -121,7 +126,9 @@ def explain(model: ModelConfig, cluster: ClusterConfig, train: TrainConfig, key:
                        time_s={k: float(t[k][0]) for k in TIME_TERMS},
                        step_time_s=est.step_time_s, mfu=est.mfu,
                        paths={name: _path_of(size, stride, gpu, coeff)
-                              for name, (size, stride) in groups.items() if size > 1})
+                              for name, (size, stride) in groups.items() if size > 1},
+                       sources=term_sources(rank, shape, software.precision),
+                       source=source(gpu.measured))
 
 
 def _path_of(size: float, stride: float, gpu: GpuSpec, coeff: Coefficients) -> GroupPath:
@@ -148,10 +155,13 @@ def render(x: Explanation) -> list[str]:
     out += [f"  {'total':<40}{x.peak_bytes / GIB:>10.2f} GiB",
             f"  {verdict} in {x.hbm_bytes / GIB:.1f} GiB with a {x.margin_bytes / GIB:.1f} GiB "
             f"margin (headroom {(x.hbm_bytes - x.peak_bytes) / GIB:.2f} GiB)",
-            "step time:"]
+            f"step time (figures: {x.source}):"]
     for k, s in x.time_s.items():
-        out.append(f"  {k.removeprefix('time_').removesuffix('_s'):<40}{s:>10.4f} s")
+        where = f"   {x.sources[k]}" if k in x.sources else ""
+        out.append(f"  {k.removeprefix('time_').removesuffix('_s'):<40}{s:>10.4f} s{where}")
     out.append(f"  {'total':<40}{x.step_time_s:>10.4f} s   (MFU {x.mfu:.1%})")
+    if x.sources:  # a profiled cluster: the collectives' own curves, not these bandwidths
+        return out
     out.append("links (GB/s the model gives each group; across nodes, a NIC per member on a node):")
     for name, path in x.paths.items():
         where = ("inside a node" if not path.nics else

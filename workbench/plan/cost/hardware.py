@@ -12,9 +12,11 @@ estimated on the same footing. Every figure is a vendor datasheet number (dense,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 from workbench.config import ClusterConfig
+from workbench.plan.cost.measured import Measured
 
 GIB = 2**30
 
@@ -34,6 +36,8 @@ class GpuSpec:
     gpus_per_node: int = 8
     power_capped: bool = False  # runs below its datasheet TDP: sustained clocks are lower
     sm_count: int = 0  # streaming multiprocessors (GEMM wave quantization); 0: not modelled
+    # The cluster's own measured curves (workbench/profile); None: datasheet figures only.
+    measured: Optional[Measured] = field(default=None, compare=False, repr=False)
 
 
 # Sources: NVIDIA A100 datasheet (312 TFLOP/s BF16, 19.5 FP32; 40GB 1,555 GB/s, 80GB 2,039 GB/s;
@@ -116,7 +120,8 @@ def hardware_for(cluster: ClusterConfig) -> GpuSpec:
     return GpuSpec(cluster.gpu, peak16, fp8 or peak16, float(cluster.peak_fp32_flops),
                    float(cluster.hbm_bytes), float(cluster.hbm_bw_bytes_per_s),
                    float(cluster.intra_node_gbps), float(cluster.inter_node_gbps),
-                   int(cluster.gpus_per_node), capped, sms)
+                   int(cluster.gpus_per_node), capped, sms,
+                   Measured.of(cluster.profile) if cluster.profile is not None else None)
 
 
 def cluster_for(gpu_name: str, n_gpus: int, gpus_per_node: int | None = None,

@@ -8,6 +8,7 @@ disagree. Each array here holds one value per layout; model and hardware figures
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from workbench.plan.cost.coefficients import Coefficients
 from workbench.plan.cost.columns import Columns, Schedule
 from workbench.plan.cost.gemm_fill import dim_fill
 from workbench.plan.cost.hardware import GpuSpec
+from workbench.plan.cost.measured import Level, Measured
 from workbench.plan.cost.shapes import ModelShape
 from workbench.plan.cost.software import Software
 
@@ -51,6 +53,10 @@ class PerRank:
     hbm_bytes_per_s: float  # achieved HBM bandwidth
     elem_traffic: float  # elementwise HBM round trips per stored activation byte (TP-split)
     elem_traffic_rep: float  # the same for the replicated part (norms, residual adds)
+    # A profiled cluster's curves, and which of its compute levels each row runs at (the ranks
+    # of a layout that share a host's cores); None and () on datasheet figures.
+    measured: Optional[Measured] = None
+    levels: tuple[tuple[np.ndarray, Level], ...] = ()
 
 
 def rank_layers(n_layers: int, pp: np.ndarray, virtual: np.ndarray, first: np.ndarray,
@@ -98,4 +104,10 @@ def per_rank(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
         peak_flops=gpu.peak_fp32_flops if software.precision == "fp32" else gpu.peak_bf16_flops,
         tile_sms=gpu.sm_count * (coeff.gemm_tile_waves > 0),
         hbm_bytes_per_s=gpu.hbm_bw_bytes_per_s * coeff.hbm_eff, elem_traffic=elem_traffic,
-        elem_traffic_rep=elem_traffic_rep)
+        elem_traffic_rep=elem_traffic_rep, measured=gpu.measured,
+        levels=tuple(gpu.measured.levels_of(world_of(cols), gpu.gpus_per_node))
+        if gpu.measured else ())
+
+
+def world_of(cols: Columns) -> np.ndarray:
+    return cols["dpr"] * cols["dps"] * cols["tp"] * cols["pp"] * cols["cp"]

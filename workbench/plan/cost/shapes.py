@@ -40,6 +40,7 @@ class ModelShape:
     embed_params: int  # token (+ learned position) embedding
     head_params: int  # LM head (0 when tied to the embedding)
     dp_bytes_ratio: float  # gradient bytes DP exchanges, relative to dense (PowerSGD < 1)
+    bias: bool = False  # linears and norms carry biases
 
     def layer_matmul_params(self, lowrank: bool = False) -> int:
         return sum(m * n for m, n, _ in (self.lowrank if lowrank else self.dense))
@@ -101,7 +102,7 @@ def model_shape(model: ModelConfig, lowrank: LowRankConfig | None = None,
         dense_n = sum(m * n for m, n, _ in dense)
         dp_ratio = sum(min(m * n, r * (m + n)) for m, n, _ in dense) / dense_n
     return ModelShape(model.n_layers, h, q, kv, f, model.vocab, s, model.n_heads, hd, gated,
-                      dense, lr, n_lr, norms + bias, embed, head, dp_ratio)
+                      dense, lr, n_lr, norms + bias, embed, head, dp_ratio, model.bias)
 
 
 def fp8_operand_elems(ms: ModelShape, tp: np.ndarray) -> np.ndarray:
@@ -112,3 +113,11 @@ def fp8_operand_elems(ms: ModelShape, tp: np.ndarray) -> np.ndarray:
     for m, n, col in ms.dense:
         total = total + (m + n / tp if col else m / tp + n)
     return total
+
+
+def block_key(shape: ModelShape) -> str:
+    """What one block's time depends on, so that a profile of one model prices any model with
+    the same block (its name and depth do not matter)."""
+    kv_heads = shape.kv_width // shape.head_dim
+    return (f"{'gated' if shape.gated_mlp else 'gelu'} h{shape.hidden} heads{shape.n_heads} "
+            f"kv{kv_heads} ffn{shape.ffn_hidden} seq{shape.seq_len} bias{int(shape.bias)}")

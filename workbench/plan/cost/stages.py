@@ -19,6 +19,7 @@ from workbench.plan.cost.coefficients import Coefficients
 from workbench.plan.cost.communication import Communication, collective_link, group_bw
 from workbench.plan.cost.compute import Compute
 from workbench.plan.cost.hardware import GpuSpec
+from workbench.plan.cost.measured_terms import measured_p2p
 from workbench.plan.cost.per_rank import PerRank, PipeLayers
 from workbench.plan.cost.shapes import ModelShape
 from workbench.plan.cost.software import Software
@@ -42,11 +43,13 @@ class Stage:
 
 
 def stage_times(pipe_layers: PipeLayers, pp: np.ndarray, layer_s: tuple[np.ndarray, ...],
-                embed_s: np.ndarray, head_s: np.ndarray) -> tuple[np.ndarray, ...]:
+                embed_s: np.ndarray, head_s: np.ndarray,
+                head_bwd_s: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """Forward, backward, recompute, tensor- and context-parallel seconds of one micro-batch on
     the pipeline rank whose micro-batch takes longest: it sets the pipeline's pace. `layer_s`
     holds those five parts for one layer; the first rank adds the embedding lookup, the last the
-    head and loss (forward, and twice that backward); without a pipeline one rank has all."""
+    head and loss (forward, and `head_bwd_s` backward: twice the forward unless measured);
+    without a pipeline one rank has all."""
     single = pp <= 1
     per_layer = sum(layer_s)
     first_s = pipe_layers[0] * per_layer + 3 * (embed_s + np.where(single, head_s, 0.0))
@@ -57,7 +60,11 @@ def stage_times(pipe_layers: PipeLayers, pp: np.ndarray, layer_s: tuple[np.ndarr
     layers = np.where(last, pipe_layers[2], np.where(first, pipe_layers[0], pipe_layers[1]))
     ends = np.where(first | single, embed_s, 0.0) + np.where(last | single, head_s, 0.0)
     fwd, bwd, recompute, tp, cp = (layers * part for part in layer_s)
-    return fwd + ends, bwd + 2 * ends, recompute, tp, cp
+    if head_bwd_s is None:
+        return fwd + ends, bwd + 2 * ends, recompute, tp, cp
+    ends_bwd = np.where(first | single, 2 * embed_s, 0.0) \
+        + np.where(last | single, head_bwd_s, 0.0)
+    return fwd + ends, bwd + ends_bwd, recompute, tp, cp
 
 
 def rank_params(pipe_layers: PipeLayers, pp: np.ndarray, layer_params: float, embed: float,
@@ -87,8 +94,9 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
     # comm.tp_s is one pass's 2 collectives; the backward's count without SP is the stack's
     bwd_tp = np.where(cols["sp"] > 0, 1.0, software.tp_bwd_allreduces(shape.gated_mlp) / 2.0)
     # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
-    tp = comm.tp_s * (1 + bwd_tp + full_share + 0.5 * rank.op_policy * (cols["sp"] > 0))
-    cp = comm.cp_fwd_s * (1 + full_share + rank.op_policy) + comm.cp_bwd_s
+    tp = comm.tp_s * (1 + bwd_tp + full_share + 0.5 * rank.op_policy * (cols["sp"] > 0)) \
+        + comm.tp_engine_s
+    cp = comm.cp_fwd_s * (1 + full_share + rank.op_policy) + comm.cp_bwd_s + comm.cp_engine_s
     head = comp.head_s + comp.loss_s
     if software.gathered_logits:  # all-gather of the 16-bit logits over the TP group (forward)
         bw_tp, _ = collective_link(cols["tp"], 1, gpu, coeff)
@@ -98,7 +106,7 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
     embed = rank.elem_traffic * rank.tokens * rank.activations["input"] / rank.hbm_bytes_per_s
     fwd_s, bwd_s, recompute_s, tp_s, cp_s = stage_times(
         rank.pipe_layers, pp, (comp.layer_fwd_s, comp.layer_bwd_s, recompute, tp, cp), embed,
-        head)
+        head, comp.ends_bwd_s)
     # neighbours one stage apart
     bw_pp = group_bw(2, cols["tp"] * rank.reduce_ranks * rank.shard_ranks, gpu, coeff)
     split = np.where(software.p2p_tp_split | (cols["sp"] > 0), cols["tp"], 1.0)
@@ -106,6 +114,8 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
     transfers = np.where(pp > 2, 4.0, 2.0) if software.p2p_blocking else 2.0
     p2p_s = np.where(pp > 1, transfers * rank.virtual
                      * (p2p_bytes / bw_pp + coeff.p2p_latency_s), 0.0)
+    if rank.measured is not None:
+        p2p_s = measured_p2p(shape, software, rank, gpu.gpus_per_node)
     layer_params = shape.mean_layer_params()
     pipe_params, shard_params = rank_params(rank.pipe_layers, pp, layer_params,
                                             shape.embed_params, shape.head_params, cols["tp"])

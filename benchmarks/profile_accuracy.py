@@ -1,0 +1,310 @@
+"""The planner on the machine in front of it: profile this machine, then predict and measure
+layouts of 1, 2 and 4 gloo ranks (and 2 ranks over a rate-limited link), from the profile and
+from datasheet figures alone, all in one run.
+
+    python benchmarks/profile_accuracy.py [--steps 8] [--rate-mbit 100] [--quick] [--json F]
+
+Every layout runs gpt_tiny through the real engine and loop (workbench.testing.multirank: one
+spawned gloo group per world size; over the link each rank sits in its own network namespace
+behind a `tc`-limited NIC, so it needs root). Measured: the median step after the first, the
+median of three interleaved rounds.
+Predicted: `estimate()` on the profiled cluster file (`cluster=bench_here`, `bench_link`) and
+on `local_cpu` (the datasheet figures; over the link its NIC rate set to the link's). The
+default run is also checked as a user runs it: `python -m workbench.run cluster=bench_here
+train.steps=30`, its logged pred/step_time_s against its median step.
+
+Development and held-out rows: the 17 rows marked `dev` are the ones the measured terms were
+developed against (every choice in workbench/plan/cost/engine_residuals.py and
+measured_terms.py was made looking at them); the 14 `held-out` rows were defined, in the
+commit before their first run, after those choices were fixed. Verdict (not in --quick, a smoke
+test at CI size that measures one layout per world size): on the held-out rows, median error at
+most 10% and Spearman at least 0.9; the default run within 15%. Exit 1 when it fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from workbench import layout as layouts
+from workbench.compose import compose
+from workbench.data.corpus import load as load_data
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.search.rules import validate_layout
+from workbench.profile import clusterfile
+from workbench.profile.job import launch_profile, profile_job, result
+from workbench.profile.rank import threads_for
+from workbench.profile.spec import spec_for
+from workbench.testing import netns
+from workbench.testing.multirank import Case, median_after_first, run_cases, run_single
+
+ROUNDS = 3  # each layout is measured this many times, interleaved; the median of their medians
+# (name, world, overrides, split): "link" rows run 2 ranks over the limited link.
+LAYOUTS = [
+    ("single mb16", 1, [], "dev"),
+    ("single mb4 x4", 1, ["train.micro_batch=4"], "dev"),
+    ("single recompute=full", 1, ["layout.recompute=full"], "dev"),
+    ("ddp", 2, ["layout=ddp"], "dev"),
+    ("fsdp", 2, ["layout=fsdp"], "dev"),
+    ("tp", 2, ["layout=tp"], "dev"),
+    ("tp+sp", 2, ["layout=tp", "layout.sequence_parallel=true"], "dev"),
+    ("pp 1f1b", 2, ["layout=pp", "train.micro_batch=4"], "dev"),
+    ("pp 1f1b split 1-3", 2, ["layout=pp", "train.micro_batch=4", "layout.stage_layers=[1,3]"],
+     "dev"),
+    ("cp", 2, ["layout.cp=2"], "dev"),
+    ("ddp recompute=full mb2", 2, ["layout=ddp", "layout.recompute=full",
+                                   "train.micro_batch=2"], "dev"),
+    ("ddp x4", 4, ["layout=ddp"], "dev"),
+    ("fsdp x4", 4, ["layout=fsdp"], "dev"),
+    ("dp2 tp2", 4, ["layout.dp_replicate=2", "layout.tp=2"], "dev"),
+    ("pp2 dp2", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=4"], "dev"),
+    ("ddp over the link", "link", ["layout=ddp"], "dev"),
+    ("fsdp over the link", "link", ["layout=fsdp"], "dev"),
+    # Held out: layouts no version of the measured terms was looked at on before they were
+    # fixed (defined in the commit before their first run).
+    ("single mb8 x2", 1, ["train.micro_batch=8"], "held-out"),
+    ("single recompute=full mb4 x4", 1, ["layout.recompute=full", "train.micro_batch=4"],
+     "held-out"),
+    ("ddp mb2 x4", 2, ["layout=ddp", "train.micro_batch=2"], "held-out"),
+    ("fsdp recompute=full", 2, ["layout=fsdp", "layout.recompute=full"], "held-out"),
+    ("tp mb4 x4", 2, ["layout=tp", "train.micro_batch=4"], "held-out"),
+    ("pp gpipe", 2, ["layout=pp", "layout.pp_schedule=gpipe", "train.micro_batch=4"],
+     "held-out"),
+    ("pp interleaved v2", 2, ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
+                              "layout.virtual_stages=2", "train.micro_batch=4"], "held-out"),
+    ("cp recompute=full", 2, ["layout.cp=2", "layout.recompute=full"], "held-out"),
+    ("tp4", 4, ["layout.tp=4"], "held-out"),
+    ("dp2 cp2", 4, ["layout.dp_replicate=2", "layout.cp=2"], "held-out"),
+    ("fsdp2 tp2", 4, ["layout.dp_shard=2", "layout.tp=2"], "held-out"),
+    ("pp2 tp2", 4, ["layout.pp=2", "layout.tp=2", "train.micro_batch=4"], "held-out"),
+    ("tp over the link", "link", ["layout=tp"], "held-out"),
+    ("pp over the link", "link", ["layout=pp", "train.micro_batch=4"], "held-out"),
+]
+
+
+def base_overrides(steps: int, world: int) -> List[str]:
+    return ["model=gpt_tiny", f"train.steps={steps}", "train.global_batch=16",
+            "train.eval_every=100000", "train.eval_batches=1", "train.ckpt_every=100000",
+            "tracking=none", "data.max_bytes=1000000", f"train.threads={threads_for(world)}"]
+
+
+def write_cluster(conf: Path, name: str, profile: Dict[str, Any]) -> None:
+    base = compose(["cluster=local_cpu"]).cluster
+    profile["measured"]["command"] = "benchmarks/profile_accuracy.py"
+    clusterfile.write(conf / "cluster" / f"{name}.yaml",
+                      clusterfile.cluster_dict(base, name, profile))
+
+
+def profile_here(conf: Path, work: Path, quick: bool) -> None:
+    """This machine's ranks over loopback, through torchrun as a run of 4 ranks starts."""
+    cfg = compose(["cluster=local_cpu", "launcher=torchrun", "launcher.nproc_per_node=4"])
+    spec = spec_for(cfg, [asdict(cfg.model)], ["fp32"], 4, 64 << 20, quick)
+    write_cluster(conf, "bench_here", launch_profile(cfg, spec, work))
+
+
+def profile_link(conf: Path, work: Path, link: netns.LimitedLink, quick: bool) -> None:
+    """The same over the link: one rank per namespace, each a node of its own."""
+    cfg = compose(["cluster=local_cpu"])
+    spec = spec_for(cfg, [asdict(cfg.model)], ["fp32"], 4, 16 << 20, quick)
+    job = profile_job(cfg, spec, work, world=link.n)
+    netns.run_job_in_namespaces(link, str(job.path))
+    write_cluster(conf, "bench_link", result(work))
+
+
+def measure(world: Any, rows: List[Dict[str, Any]], steps: int, root: Path,
+            link: Optional[netns.LimitedLink], rounds: int = ROUNDS) -> None:
+    """Run the rows of one world size (or the link) and record their median step."""
+    n = 2 if world == "link" else int(world)
+    cases = []
+    for row in rows:
+        cfg = compose(base_overrides(steps, n) + row["overrides"])
+        layout = layouts.resolve(cfg.layout, cfg.train, n)
+        validate_layout(layout, cfg.model, n)
+        row.update(cfg=cfg, layout=layout)
+        cases.append(Case(row["name"], cfg, layout, ""))
+    data = load_data(cases[0].cfg.data)
+    every = cases * rounds  # every layout once, then again: a slow spell falls on several
+    if n == 1:
+        torch.set_num_threads(threads_for(1))
+        results = [run_single(c.cfg, c.layout, data, str(root / f"single{i}"))
+                   for i, c in enumerate(every)]
+    else:
+        results = run_cases(n, every, data, str(root / f"w{world}"), timeout_s=1800,
+                            netns=link.namespaces if link else None)
+    for i, res in enumerate(results):
+        if "error" in res:
+            name = rows[i % len(rows)]["name"]
+            raise RuntimeError(f"{name}: {res['error']}\n{res.get('traceback', '')}")
+    for i, row in enumerate(rows):
+        row["measured_s"] = statistics.median(
+            median_after_first(results[i + r * len(rows)]["history"], "step_time_s")
+            for r in range(rounds))
+
+
+def predict(row: Dict[str, Any], rate_mbit: float) -> None:
+    cfg, layout, link = row["cfg"], row["layout"], row["world"] == "link"
+    profiled = compose([f"cluster={'bench_link' if link else 'bench_here'}"]).cluster
+    datasheet = compose(["cluster=local_cpu"] + ([
+        "cluster.nodes=2", "cluster.gpus_per_node=1",
+        f"cluster.inter_node_gbps={rate_mbit / 8000}"] if link else [])).cluster
+    for key, cluster in (("profile_s", profiled), ("datasheet_s", datasheet)):
+        row[key] = estimate(cfg.model, cluster, cfg.train, layout).step_time_s
+
+
+def spearman(a: List[float], b: List[float]) -> float:
+    def ranks(x: List[float]) -> np.ndarray:
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        return r
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summary(rows: List[Dict[str, Any]], key: str) -> Dict[str, float]:
+    errors = [abs(r[key] / r["measured_s"] - 1) for r in rows]
+    return {"median_abs_err": statistics.median(errors), "max_abs_err": max(errors),
+            "spearman": spearman([r[key] for r in rows], [r["measured_s"] for r in rows])}
+
+
+def default_run(conf: Path, work: Path) -> Dict[str, float]:
+    """`python -m workbench.run cluster=bench_here train.steps=30` as a user types it."""
+    env = {**os.environ, "WORKBENCH_CONF": str(conf),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
+    subprocess.run([sys.executable, "-m", "workbench.run", "cluster=bench_here",
+                    "train.steps=30"], cwd=work, env=env, check=True, capture_output=True)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    run = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])[0]
+    steps = sorted(client.get_metric_history(run.info.run_id, "step_time_s"),
+                   key=lambda m: m.step)
+    measured = statistics.median(m.value for m in steps[1:])
+    return {"pred_s": run.data.metrics["pred/step_time_s"], "measured_s": measured}
+
+
+def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool) -> bool:
+    print(f"{'layout':<26}{'ranks':>6}{'split':>10}{'measured':>11}{'profile':>10}{'err':>8}"
+          f"{'datasheet':>11}{'err':>8}")
+    for r in rows:
+        m = r["measured_s"]
+        print(f"{r['name']:<26}{str(r['world']):>6}{r['split']:>10}{m * 1e3:>9.1f}ms"
+              f"{r['profile_s'] * 1e3:>8.1f}ms{100 * (r['profile_s'] / m - 1):>+7.1f}%"
+              f"{r['datasheet_s'] * 1e3:>9.1f}ms{100 * (r['datasheet_s'] / m - 1):>+7.1f}%")
+    print()
+    for label, part in (("all", rows), ("development", [r for r in rows if r["split"] == "dev"]),
+                        ("held-out", [r for r in rows if r["split"] != "dev"])):
+        if len(part) < 2:
+            continue
+        p, d = summary(part, "profile_s"), summary(part, "datasheet_s")
+        print(f"{label:<12} {len(part):>2} layouts: profile median error "
+              f"{p['median_abs_err']:.1%} (max {p['max_abs_err']:.1%}), Spearman "
+              f"{p['spearman']:.3f}; datasheet median error {d['median_abs_err']:.1%} "
+              f"(max {d['max_abs_err']:.1%}), Spearman {d['spearman']:.3f}; ratio of median "
+              f"errors {p['median_abs_err'] / max(d['median_abs_err'], 1e-9):.2f}")
+    err = default["pred_s"] / default["measured_s"] - 1
+    print(f"default run on cluster=bench_here: pred/step_time_s {default['pred_s'] * 1e3:.1f} "
+          f"ms, measured median step {default['measured_s'] * 1e3:.1f} ms ({err:+.1%})")
+    if quick:
+        print("(--quick: a smoke test at CI size, no verdict)")
+        return True
+    held = [r for r in rows if r["split"] != "dev"]
+    scored = summary(held, "profile_s")
+    ok = scored["median_abs_err"] <= 0.10 and scored["spearman"] >= 0.9 and abs(err) <= 0.15
+    print(f"verdict: {'PASS' if ok else 'FAIL'} (median error <= 10%, Spearman >= 0.9 over the "
+          f"{len(held)} held-out layouts; the default run within 15%)")
+    return ok
+
+
+def main(argv: List[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rate-mbit", type=float, default=100.0)
+    ap.add_argument("--quick", action="store_true", help="quick profiles, 3 steps, no verdict")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--reuse", default="", metavar="DIR",
+                    help="predict again from an earlier run's folder (its profiles and "
+                         "measurements), measuring nothing")
+    args = ap.parse_args(argv)
+    if args.reuse:
+        return reuse(Path(args.reuse), args)
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"error: the rate-limited link {reason}", file=sys.stderr)
+        return 2
+    steps = 3 if args.quick else args.steps
+    root = Path(tempfile.mkdtemp(prefix="wb-profile-accuracy-"))
+    conf = root / "conf"
+    os.environ["WORKBENCH_CONF"] = str(conf)
+    (root / "here").mkdir()
+    print("profiling this machine (4 ranks over loopback) ...", file=sys.stderr, flush=True)
+    profile_here(conf, root / "here", args.quick)
+    rows = [{"name": n, "world": w, "overrides": o, "split": s} for n, w, o, s in LAYOUTS]
+    if args.quick:  # a smoke test: one layout of each world size
+        rows = [next(r for r in rows if r["world"] == w) for w in (1, 2, 4, "link")]
+    for world in (1, 2, 4):
+        print(f"measuring the layouts of {world} rank(s) ...", file=sys.stderr, flush=True)
+        measure(world, [r for r in rows if r["world"] == world], steps, root, None,
+                1 if args.quick else ROUNDS)
+    with netns.LimitedLink(2, args.rate_mbit) as link:
+        print(f"profiling and measuring over a {args.rate_mbit:g} Mbit/s link ...",
+              file=sys.stderr, flush=True)
+        (root / "link").mkdir()
+        profile_link(conf, root / "link", link, args.quick)
+        measure("link", [r for r in rows if r["world"] == "link"], steps, root, link,
+                1 if args.quick else ROUNDS)
+    for row in rows:
+        predict(row, args.rate_mbit)
+    (root / "default").mkdir()
+    default = default_run(conf, root / "default")
+    keep = ("name", "world", "split", "overrides", "measured_s")
+    (root / "measured.json").write_text(json.dumps(
+        {"rows": [{k: r[k] for k in keep} for r in rows], "default_run": default,
+         "rate_mbit": args.rate_mbit, "steps": steps}))
+    print(f"profiles and measurements kept in {root} (--reuse {root})", file=sys.stderr)
+    return finish(rows, default, args)
+
+
+def reuse(root: Path, args: argparse.Namespace) -> int:
+    """Predict again from an earlier run's folder: its cluster files and measured steps."""
+    os.environ["WORKBENCH_CONF"] = str(root / "conf")
+    data = json.loads((root / "measured.json").read_text())
+    rows = data["rows"]
+    for row in rows:
+        n = 2 if row["world"] == "link" else int(row["world"])
+        cfg = compose(base_overrides(data["steps"], n) + row["overrides"])
+        row.update(cfg=cfg, layout=layouts.resolve(cfg.layout, cfg.train, n))
+        predict(row, data["rate_mbit"])
+    default = data["default_run"]
+    default["pred_s"] = estimate(*_default_inputs()).step_time_s
+    return finish(rows, default, args)
+
+
+def _default_inputs() -> tuple:
+    cfg = compose(["cluster=bench_here"])
+    return cfg.model, cfg.cluster, cfg.train, layouts.resolve(cfg.layout, cfg.train, 1)
+
+
+def finish(rows: List[Dict[str, Any]], default: Dict[str, float],
+           args: argparse.Namespace) -> int:
+    ok = report(rows, default, args.quick)
+    if args.json:
+        keep = ("name", "world", "split", "measured_s", "profile_s", "datasheet_s")
+        Path(args.json).write_text(json.dumps({"rows": [{k: r[k] for k in keep} for r in rows],
+                                               "default_run": default}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

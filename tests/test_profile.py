@@ -1,0 +1,215 @@
+"""`python -m workbench.profile`: a cluster measured into the user's conf/, used like a shipped
+cluster, refused where it is not valid, never left half-written; and the cost model reading its
+curves (interpolation, the terms adding up to the measured parts)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import REPO, cli, only_run
+
+from workbench.compose import compose
+from workbench.config_rules import installed_torch
+from workbench.layout import Layout
+from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.measured import Measured, loglog
+from workbench.plan.cost.shapes import block_key, model_shape
+from workbench.train.counts import n_params
+
+
+@pytest.mark.slow
+def test_profile_writes_a_cluster_file_that_runs_and_plans_use(workdir):
+    proc = cli("workbench.profile", ["cluster=local_cpu", "--name", "here", "--quick",
+                                     "launcher=torchrun", "launcher.nproc_per_node=2"], workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profile [" in proc.stderr  # progress while it runs
+    assert "all_reduce x2 intra" in proc.stdout and "GEMM fp32" in proc.stdout
+    path = workdir / "conf" / "cluster" / "here.yaml"
+    data = yaml.safe_load(path.read_text())
+    meta = data["profile"]["measured"]
+    assert meta["world"] == 2 and meta["torch"] == installed_torch() and meta["when"]
+    assert [lv["ranks"] for lv in data["profile"]["compute"]] == [1, 2]
+    kinds = {(c["kind"], c["span"]) for c in data["profile"]["comms"]}
+    assert kinds == {(k, "intra") for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    assert list(workdir.joinpath("conf", "cluster").iterdir()) == [path]
+
+    run = cli("workbench.run", ["cluster=here", "train.steps=3", "train.global_batch=4",
+                                "data.max_bytes=1000000"], workdir)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = only_run()
+    assert r.data.params["cluster.name"] == "here" and r.data.metrics["pred/step_time_s"] > 0
+    plan = cli("workbench.plan", ["cluster=here", "--explain", "dpr1_dps2_tp1_pp1_cp1_mb8_ga1"],
+               workdir)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "measured (profile of" in plan.stdout
+
+    # the GPU session's prediction check, on the CPU against this profile (a world of one)
+    check = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_predict.py"),
+                            "cluster=here", "--datasheet", "local_cpu", "--device", "cpu",
+                            "--micro-batches", "2", "--steps", "3", "data.max_bytes=1000000"],
+                           cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert "mb2 recompute=full" in check.stdout and "median |error|: profile" in check.stdout
+
+
+def test_an_interrupted_profile_leaves_no_file(workdir):
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.profile", "--name", "cut"],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=os.environ.copy(), start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        seen = ""
+        for line in proc.stderr:  # wait until it is measuring
+            seen += line
+            if line.startswith("profile [") and "compute" in line:
+                break
+        assert proc.poll() is None, seen[-2000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    folder = workdir / "conf" / "cluster"
+    assert not folder.exists() or list(folder.iterdir()) == []
+
+
+def _write_profile(workdir: Path, name: str, **meta) -> Path:
+    """A small synthetic profile of gpt_tiny on this machine's torch (what a test can check
+    by hand): every GEMM at 1e10 FLOP/s forward and half that backward, a block that is its
+    GEMMs plus 1 ms forward and 2 ms backward, a loss of 0.5 ms each way, and collectives
+    of 100 us plus 1 GB/s."""
+    cfg = compose([])
+    shape = model_shape(cfg.model)
+    linears = list(shape.dense) + [(shape.hidden, shape.vocab, True)]
+    tokens = [32, 512, 2048]
+    gemm = {"dtype": "fp32", "k": [], "n": [], "tokens": [], "fwd_s": [], "bwd_s": []}
+    block = {"model": "gpt_tiny", "shape": block_key(shape), "dtype": "fp32", "tp": [],
+             "tokens": [], "fwd_s": [], "bwd_s": [], "loss_fwd_s": [], "loss_bwd_s": []}
+    for tp in (1, 2):
+        for m, n, col in linears:
+            k, n_ = (m, n // tp) if col else (m // tp, n)
+            for t in tokens:
+                for key, v in zip(("k", "n", "tokens", "fwd_s", "bwd_s"),
+                                  (k, n_, t, 2 * t * k * n_ / 1e10, 4 * 2 * t * k * n_ / 1e10)):
+                    gemm[key].append(v)
+        for t in tokens:
+            f = sum(2 * t * (m if c else m // tp) * (n // tp if c else n) / 1e10
+                    for m, n, c in shape.dense)
+            for key, v in zip(("tp", "tokens", "fwd_s", "bwd_s", "loss_fwd_s", "loss_bwd_s"),
+                              (tp, t, f + 1e-3, 4 * f + 2e-3, 5e-4, 5e-4)):
+                block[key].append(v)
+    sizes = [4096.0 * 4**i for i in range(6)]
+    comms = [{"kind": k, "group": 2, "span": "intra", "bytes": sizes,
+              "s": [1e-4 + b / 1e9 for b in sizes]}
+             for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")]
+    level = {"ranks": 1, "threads": 2, "elementwise": {"bytes": [1e3, 1e8], "s": [1e-6, 1e-2]},
+             "gemm": [gemm], "blocks": [block],
+             "optimizer": [{"model": "gpt_tiny", "params": 1e6, "tensors": 40, "step_s": 0.01}]}
+    measured = {"when": "2026-12-04T00:00:00+00:00", "host": "test", "torch": installed_torch(),
+                "device_type": "cpu", "device_name": "test cpu", "world": 2, "nodes": 1,
+                "hosts": 1, "cores_per_host": 2, "ranks_per_host": 2, **meta}
+    data = {**{k: v for k, v in asdict(cfg.cluster).items() if k not in ("pools", "links")},
+            "name": name, "profile": {"measured": measured, "compute": [level], "comms": comms,
+                                      "memory": {"model": "gpt_tiny", "micro_batch": 1,
+                                                 "baseline_bytes": 2.0e8,
+                                                 "step_peak_bytes": 3.0e8}}}
+    path = workdir / "conf" / "cluster" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_loglog_passes_through_the_points_and_keeps_the_last_rate():
+    xs, ys = np.array([1.0, 10.0, 100.0]), np.array([2.0, 4.0, 40.0])
+    assert np.allclose(loglog(xs, xs, ys), ys)
+    assert math.isclose(float(loglog(np.array([1000.0]), xs, ys)[0]), 400.0)
+    assert math.isclose(float(loglog(np.array([0.5]), xs, ys)[0]), 2.0)
+    mid = float(loglog(np.array([math.sqrt(10.0)]), xs, ys)[0])
+    assert math.isclose(mid, math.sqrt(8.0), rel_tol=1e-9)
+
+
+def test_the_terms_on_a_profile_add_up_to_its_measured_parts(workdir):
+    _write_profile(workdir, "syn")
+    cfg = compose(["cluster=syn"])
+    measured = Measured.of(cfg.cluster.profile)
+    assert measured.one_host and measured.fixed_bytes == 2.0e8
+    shape = model_shape(cfg.model)
+    est = estimate(cfg.model, cfg.cluster, cfg.train, Layout(micro_batch=16))
+    t = 16 * cfg.model.seq_len
+    gemms = sum(2 * t * m * n / 1e10 for m, n, _ in shape.dense)
+    head = 2 * t * shape.hidden * shape.vocab / 1e10
+    fwd = 4 * (gemms + 1e-3) + head + 5e-4
+    bwd = 4 * (4 * gemms + 2e-3) + 4 * head + 5e-4
+    assert math.isclose(est.time_s["time_fwd_s"], fwd, rel_tol=0.01)
+    assert math.isclose(est.time_s["time_bwd_s"], bwd, rel_tol=0.01)
+    assert math.isclose(est.time_s["time_optimizer_s"], 0.01 / 1e6 * n_params(cfg.model),
+                        rel_tol=0.01)
+    assert est.mem_bytes["mem_fixed_bytes"] >= 2.0e8
+    # DDP over 2 ranks: one all-reduce of the fp32 gradients at 100 us + bytes / 1 GB/s,
+    # nothing hidden on a CPU
+    ddp = estimate(cfg.model, cfg.cluster, cfg.train, Layout(dp_replicate=2, micro_batch=8))
+    grads = 4.0 * n_params(cfg.model)
+    assert ddp.time_s["time_dp_comm_exposed_s"] == pytest.approx(1e-4 + grads / 1e9, rel=0.05)
+    datasheet = estimate(cfg.model, compose([]).cluster, cfg.train, Layout(micro_batch=16))
+    assert datasheet.step_time_s != pytest.approx(est.step_time_s, rel=0.01)
+
+
+@pytest.mark.parametrize("edit,key", [
+    ({"torch": "1.0.0"}, "cluster.profile.measured.torch"),
+    ({"device_type": "cuda"}, "cluster.profile.measured.device_type"),
+])
+def test_a_profile_from_another_torch_or_device_is_refused(workdir, edit, key):
+    _write_profile(workdir, "other", **edit)
+    proc = cli("workbench.run", ["cluster=other", "train.steps=1"], workdir)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}=")
+    assert not (workdir / "mlflow.db").exists()
+
+
+def test_a_malformed_profile_is_one_line(workdir):
+    path = _write_profile(workdir, "broken")
+    data = yaml.safe_load(path.read_text())
+    data["profile"]["compute"][0]["gemm"][0]["fwd_s"].append(1.0)  # columns no longer line up
+    path.write_text(yaml.safe_dump(data))
+    proc = cli("workbench.run", ["cluster=broken", "train.steps=1"], workdir)
+    assert proc.returncode == 2 and "must be non-empty lists of one length" in proc.stderr
+    path.write_text("name: broken\nprofile: {compute: [1, 2\n")  # not YAML
+    proc = cli("workbench.plan", ["cluster=broken"], workdir)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "broken.yaml:" in lines[0], lines
+
+
+def test_the_users_conf_is_searched_first_and_a_name_in_both_is_an_error(workdir):
+    user = workdir / "conf" / "model" / "mine.yaml"
+    user.parent.mkdir(parents=True)
+    user.write_text(yaml.safe_dump({**asdict(compose([]).model), "name": "mine",
+                                    "n_layers": 2}))
+    assert compose(["model=mine"]).model.n_layers == 2
+    proc = cli("workbench.run", ["model=nope"], workdir)
+    assert proc.returncode == 2 and "mine" in proc.stderr and "gpt_tiny" in proc.stderr
+    (workdir / "conf" / "model" / "gpt_tiny.yaml").write_text(user.read_text())
+    proc = cli("workbench.run", ["train.steps=1"], workdir)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert "conf/model/gpt_tiny.yaml" in lines[0] and "workbench/conf/model/gpt_tiny.yaml" \
+        in lines[0]
+
+
+def test_profile_refuses_an_existing_file_and_a_bad_name(workdir):
+    _write_profile(workdir, "taken")
+    for args, expect in ((["--name", "taken"], "exists; --force replaces it"),
+                         (["--name", "a/b"], "letters, digits")):
+        t0 = time.monotonic()
+        proc = cli("workbench.profile", args, workdir)
+        assert proc.returncode == 2 and expect in proc.stderr, proc.stderr
+        assert time.monotonic() - t0 < 60  # refused before anything is measured

@@ -1,0 +1,163 @@
+"""What the engine costs beyond the priced operations, from the profile's engine probes.
+
+A probe is one micro-batch of the real engine for one kind of parallelism at one degree, on
+models of one layer and of three (workbench/profile/probes.py). The cost model prices the same
+probe from its curves; what the probe took beyond that price is the engine's own cost (Python
+hooks, DTensor dispatch, FSDP2's copies, autograd's graph): per layer (half of three layers
+less one) and per micro-batch (one layer less its layer), each a least-squares line in tokens
+through the probed micro-batches. A layout pays the plain
+probe's residuals, and for each kind of parallelism it uses the difference its kind's probe
+made, at its degree (the nearest probed); the engine's work runs on the cores the ranks
+share, so a residual probed while k ranks shared them takes longer by the ratio of
+oversubscription when a layout puts more ranks on them. No run is fitted:
+the probes are part of the profile, measured before any run they price.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, Tuple
+
+import numpy as np
+
+from workbench.layout import Layout
+from workbench.plan.cost.columns import Columns, layout_columns
+from workbench.plan.cost.communication import Communication
+from workbench.plan.cost.compute import Compute
+from workbench.plan.cost.measured import Measured
+from workbench.plan.cost.per_rank import PerRank
+from workbench.plan.cost.shapes import ModelShape, block_key
+
+Arrays = Dict[str, np.ndarray]
+# A probe kind and the layout it probes (its micro-batch set per row).
+PROBES: Dict[str, Callable[[int], Layout]] = {
+    "plain": lambda d: Layout(), "recompute": lambda d: Layout(recompute="full"),
+    "ddp": lambda d: Layout(dp_replicate=d), "fsdp": lambda d: Layout(dp_shard=d),
+    "tp": lambda d: Layout(tp=d), "tp_sp": lambda d: Layout(tp=d, sequence_parallel=True),
+    "cp": lambda d: Layout(cp=d)}
+# The priced parts of a probe's micro-batch: all a train_step runs (no optimizer, no bubble).
+STEP_PARTS = ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_tp_comm_s",
+              "time_cp_comm_s", "time_pp_p2p_s", "time_dp_comm_exposed_s")
+Curve = Tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """Per (kind, degree): the engine's own seconds per layer and per micro-batch, over the
+    probe's tokens per rank; and the cores of the host the probes ran on."""
+
+    layer: Dict[Tuple[str, int], Curve]
+    micro_batch: Dict[Tuple[str, int], Curve]
+    cores: int
+
+    def at(self, table: str, kind: str, degree: np.ndarray, tokens: np.ndarray
+           ) -> np.ndarray:
+        """A residual per row, at the nearest probed degree of `kind` (0 where none)."""
+        curves = getattr(self, table)
+        degrees = sorted(d for k, d in curves if k == kind)
+        out = np.zeros(len(tokens))
+        if not degrees:
+            return out
+        for d in set(np.asarray(degree, float).tolist()):
+            near = min(degrees, key=lambda p: abs(np.log2(p) - np.log2(max(d, 1.0))))
+            toks, secs = curves[(kind, near)]
+            rows = degree == d
+            # on the line, and past the probed tokens along it
+            slope = (secs[-1] - secs[0]) / (toks[-1] - toks[0]) if len(toks) > 1 else 0.0
+            out[rows] = secs[0] + slope * (tokens[rows] - toks[0])
+        return out
+
+
+def residuals(measured: Measured, shape: ModelShape,
+              price: Callable[[ModelShape, Columns], Arrays]) -> Residuals | None:
+    """The residuals of the probes of `shape`'s block (None when it was not probed), priced
+    by `price` (the cost model without residuals); computed once per profile and shape."""
+    key = block_key(shape)
+    rows = measured.probes.get(key)
+    if rows is None:
+        return None
+    cached = measured.cache.get(("residuals", key))
+    if cached is not None:
+        return cached
+    layer: Dict[Tuple[str, int], Curve] = {}
+    per_mb: Dict[Tuple[str, int], Curve] = {}
+    for (kind, degree), by_layers in rows.items():
+        if kind not in PROBES or set(by_layers) != {1, 3}:
+            continue
+        mbs = sorted(set(by_layers[1]) & set(by_layers[3]))
+        layouts = [replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs]
+        priced = {n: _step(price(replace(shape, n_layers=n), layout_columns(layouts)))
+                  for n in (1, 3)}
+        measured_1 = np.array([by_layers[1][mb][1] for mb in mbs])
+        measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
+        tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
+        one_layer = ((measured_3 - measured_1) - (priced[3] - priced[1])) / 2
+        layer[(kind, degree)] = _line(tokens, one_layer)
+        per_mb[(kind, degree)] = _line(tokens, measured_1 - priced[1] - one_layer)
+    out = Residuals(layer, per_mb, measured.cores)
+    measured.cache[("residuals", key)] = out
+    return out
+
+
+def _line(tokens: np.ndarray, seconds: np.ndarray) -> Curve:
+    """The least-squares line through the probed micro-batches, as its values there: what the
+    engine adds is partly per call (hooks, dispatch) and partly per byte (copies around its
+    collectives), and a line through three probes is steadier than any one of them."""
+    if len(tokens) < 2:
+        return tokens, seconds
+    slope, intercept = np.polyfit(tokens, seconds, 1)
+    return tokens, intercept + slope * tokens
+
+
+def _step(terms: Arrays) -> np.ndarray:
+    return sum(terms[k] for k in STEP_PARTS)
+
+
+def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:
+    """Each row's residuals, by the term they belong to: per layer and micro-batch `layer`
+    (the plain probe's, on the layer's compute), `recompute`, `tp`, `cp`; per micro-batch
+    `micro_batch`; and the data-parallel kinds' per layer `fsdp` (each micro-batch) and `ddp`
+    (once a step)."""
+    cols, tokens = rank.cols, rank.tokens
+    one = np.ones(len(tokens))
+    shared = np.maximum(1.0, world / res.cores)  # ranks per core in the layout priced
+
+    def delta(table: str, kind: str, degree: np.ndarray, on: np.ndarray) -> np.ndarray:
+        probed = np.maximum(1.0, np.asarray(degree, float) / res.cores)
+        own = res.at(table, kind, degree, tokens) / probed
+        base = res.at(table, "plain", one, tokens) if table == "micro_batch" else 0.0
+        return np.where(on, (own - base) * shared, 0.0)
+
+    tp_kind = np.where(cols["sp"] > 0, 1, 0)
+    # A layer of one rank is the measured block itself: the plain probe's per-layer residual
+    # is the machine's drift between the two measurements, not the engine's, and is left out.
+    out = {"layer": np.zeros(len(tokens)),
+           "micro_batch": res.at("micro_batch", "plain", one, tokens) * shared,
+           "recompute": delta("layer", "recompute", one, rank.full_share > 0) * rank.full_share}
+    for name, kind, degree in (("tp", "tp", cols["tp"]), ("cp", "cp", cols["cp"]),
+                               ("fsdp", "fsdp", cols["dps"]),
+                               ("ddp", "ddp", rank.reduce_ranks)):
+        on = degree > 1
+        if name == "tp":
+            out[name] = np.where(tp_kind > 0, delta("layer", "tp_sp", degree, on),
+                                 delta("layer", "tp", degree, on))
+        else:
+            out[name] = delta("layer", kind, degree, on)
+    for kind in ("tp", "cp", "fsdp"):  # their per-micro-batch differences, once per micro-batch
+        degree = cols[kind] if kind != "fsdp" else cols["dps"]
+        out["micro_batch"] = out["micro_batch"] + delta("micro_batch", kind, degree, degree > 1)
+    return out
+
+
+def with_residuals(comp: Compute, comm: Communication, extra: Arrays
+                   ) -> tuple[Compute, Communication]:
+    """The terms with the engine's residuals in them: the plain per-layer one on the layer's
+    compute (a third forward, two thirds backward, as autograd's work falls), recomputation's
+    on the backward that redoes it, the per-micro-batch one beside the head and loss, tensor
+    and context parallelism's on their own terms."""
+    ends_bwd = comp.ends_bwd_s if comp.ends_bwd_s is not None else 2 * (comp.head_s + comp.loss_s)
+    comp = replace(comp, layer_fwd_s=comp.layer_fwd_s + extra["layer"] / 3,
+                   layer_bwd_s=comp.layer_bwd_s + 2 * extra["layer"] / 3 + extra["recompute"],
+                   head_s=comp.head_s + extra["micro_batch"] / 3,
+                   ends_bwd_s=ends_bwd + 2 * extra["micro_batch"] / 3)
+    return comp, replace(comm, tp_engine_s=extra["tp"], cp_engine_s=extra["cp"])

@@ -1,0 +1,116 @@
+"""What the engine itself costs beyond the operations it runs: one training micro-batch of the
+real engine (parallelize, its hooks, DTensor, FSDP2, the loss's collectives) for each kind of
+parallelism at each degree, on models of one layer and of three.
+
+The GEMM, block and collective curves price what a layer computes and sends; a CPU run also
+pays, per layer and per micro-batch, for what the engine does around them (Python hooks,
+DTensor dispatch, FSDP2's copies, autograd's graph). Half their difference is one layer as the
+engine runs it, which the cost model compares with its own price of the same
+probe (workbench.plan.cost.engine_residuals).
+
+Each degree k is probed by k ranks of the job in a process group of their own (the job's ranks
+beyond k wait), so that as many ranks compute as a run of k ranks would.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from workbench.config import ModelConfig, RunConfig
+from workbench.layout import Layout
+from workbench.train.engine.mesh_engine import make_engine
+from workbench.train.model import build
+from workbench.train.parallel import comm
+
+Progress = Callable[[str], None]
+LAYERS = (1, 3)  # the probed models' layer counts: their difference is two layers
+
+
+def kinds(degree: int, model: ModelConfig) -> Dict[str, Layout]:
+    """The probed layouts of one degree: one kind of parallelism each (a layout's micro-batch
+    is set per probe)."""
+    if degree == 1:
+        return {"plain": Layout(), "recompute": Layout(recompute="full")}
+    out = {"ddp": Layout(dp_replicate=degree), "fsdp": Layout(dp_shard=degree)}
+    if model.n_heads % degree == 0 and model.n_kv_heads % degree == 0:
+        out["tp"] = Layout(tp=degree)
+        out["tp_sp"] = Layout(tp=degree, sequence_parallel=True)
+    if model.seq_len % (2 * degree) == 0:
+        out["cp"] = Layout(cp=degree)
+    return out
+
+
+def _batch(model: ModelConfig, micro_batch: int, device: torch.device) -> list:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab, (micro_batch, model.seq_len + 1), generator=gen)
+    return [(tokens[:, :-1].to(device), tokens[:, 1:].to(device))]
+
+
+def _timed(engine: Any, batch: list) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    engine.train_step(batch)
+    return time.perf_counter() - t0
+
+
+def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
+                 micro_batches: List[int], device: torch.device, show: Progress,
+                 reps: int = 7) -> List[Dict[str, Any]]:
+    """Every kind of this degree, on models of 1 and 3 layers, at every micro-batch: the two
+    timed in turn, `reps` times each (so a slow spell of the machine falls on both), medians."""
+    rows = []
+    for kind, layout in kinds(degree, model).items():
+        show(f"engine probes: {model.name} {kind} x{degree}")
+        engines = {}
+        for layers in LAYERS:
+            one = replace(model, n_layers=layers)
+            engines[layers] = (one, make_engine(build(one, cfg.train.seed), replace(cfg, model=one),
+                                                layout, rank, device, comm.ByteCounter()))
+        for mb in micro_batches:
+            batches = {n: _batch(one, mb, device) for n, (one, _) in engines.items()}
+            times: Dict[int, List[float]] = {n: [] for n in LAYERS}
+            for n in LAYERS:  # warm-up
+                engines[n][1].train_step(batches[n])
+            for _ in range(reps):
+                for n in LAYERS:
+                    times[n].append(_timed(engines[n][1], batches[n]))
+            for n in LAYERS:
+                rows.append({"model": model.name, "kind": kind, "degree": degree, "layers": n,
+                             "micro_batch": mb, "tokens": mb * model.seq_len // layout.cp,
+                             "step_s": statistics.median(times[n])})
+    return rows
+
+
+def run_probes(cfg: RunConfig, models: List[ModelConfig], degrees: List[int],
+               micro_batches: List[int], rank: int, world: int, folder: Path,
+               threads: Callable[[int], int], device: torch.device, show: Progress
+               ) -> List[Dict[str, Any]]:
+    """The probes of every degree in turn, each in a process group of its first `degree`
+    ranks (the default group of the job must be gone); rank 0 returns the rows."""
+    rows: List[Dict[str, Any]] = []
+    for degree in degrees:
+        done = folder / f"probes_{degree}.done"
+        if rank < degree:
+            if device.type == "cpu":
+                torch.set_num_threads(threads(degree))
+            store = None if degree == 1 else dist.TCPStore(
+                os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                int(os.environ.get("MASTER_PORT", "29500")) + 1 + degree, degree, rank == 0)
+            with comm.process_group(device.type, rank, degree, comm.ByteCounter(),
+                                    store=store):
+                for model in models:
+                    rows += probe_degree(cfg, model, degree, rank, micro_batches, device,
+                                         show)
+            if rank == 0:
+                done.write_text("done")
+        while not done.exists():  # the ranks beyond this degree idle, as in a smaller run
+            time.sleep(0.2)
+    return rows if rank == 0 else []
