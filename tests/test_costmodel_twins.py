@@ -79,7 +79,7 @@ def test_the_readme_fabric_what_if_rescores_one_source(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = {line.split()[0]: float(line.split()[3]) for line in proc.stdout.splitlines()
              if line.startswith(("hagemann2023", "sc21_t1"))}
-    assert table["hagemann2023"] < 8.0 and table["hagemann2023_sp"] == pytest.approx(10.2, abs=0.05)
+    assert table["hagemann2023"] < 8.0 and table["hagemann2023_sp"] == pytest.approx(10.3, abs=0.05)
     assert table["sc21_t1"] == pytest.approx(2.5, abs=0.05)
     rho = [line for line in proc.stdout.splitlines()
            if "Llama-30B s2k [flash2] n=256  layouts" in line]

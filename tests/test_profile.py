@@ -21,6 +21,7 @@ from conftest import REPO, cli, only_run
 from workbench.compose import compose
 from workbench.config_rules import installed_torch
 from workbench.layout import Layout
+from workbench.plan.cost.engine_residuals import Residuals
 from workbench.plan.cost.estimate import estimate
 from workbench.plan.cost.measured import Measured, loglog
 from workbench.plan.cost.shapes import block_key, model_shape
@@ -42,6 +43,10 @@ def test_profile_writes_a_cluster_file_that_runs_and_plans_use(workdir):
     kinds = {(c["kind"], c["span"]) for c in data["profile"]["comms"]}
     assert kinds == {(k, "intra") for k in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
     assert list(workdir.joinpath("conf", "cluster").iterdir()) == [path]
+    # the engine probes of each degree alone and with the whole job busy (the cores shared)
+    probes = data["profile"]["probes"][0]
+    assert set(zip(probes["kind"], probes["degree"], probes["busy"])) >= {
+        ("plain", 1, 1), ("plain", 1, 2), ("tp", 2, 2), ("ddp", 2, 2)}
 
     run = cli("workbench.run", ["cluster=here", "train.steps=3", "train.global_batch=4",
                                 "data.max_bytes=1000000"], workdir)
@@ -136,6 +141,18 @@ def test_loglog_passes_through_the_points_and_keeps_the_last_rate():
     assert math.isclose(float(loglog(np.array([0.5]), xs, ys)[0]), 2.0)
     mid = float(loglog(np.array([math.sqrt(10.0)]), xs, ys)[0])
     assert math.isclose(mid, math.sqrt(8.0), rel_tol=1e-9)
+
+
+def test_a_residual_comes_from_the_probe_nearest_its_busy_ranks_scaled_only_beyond():
+    tokens = np.array([100.0, 400.0])
+    line = (tokens, np.array([1.0, 4.0]))
+    res = Residuals(layer={("tp", 2, 2): line, ("tp", 2, 4): (tokens, 3 * line[1])},
+                    micro_batch={}, cores=2)
+    at = res.at("layer", "tp", np.full(4, 2.0), np.full(4, 100.0), np.array([2, 4, 8, 1.0]))
+    # busy 2 and 4 read their own probes; 8 ranks on 2 cores oversubscribe twice as much as
+    # the busy-4 probe did; one rank on two cores no less than the two-rank probe
+    assert at.tolist() == [1.0, 3.0, 6.0, 1.0]
+    assert res.at("layer", "cp", np.full(1, 2.0), np.full(1, 100.0), np.ones(1)).tolist() == [0]
 
 
 def test_the_terms_on_a_profile_add_up_to_its_measured_parts(workdir):

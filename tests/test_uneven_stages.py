@@ -19,6 +19,7 @@ from workbench.errors import ConfigError
 from workbench.layout import Layout, resolve
 from workbench.plan.cost.columns import Schedule, layout_fields, split_from_ends
 from workbench.plan.cost.estimate import estimate
+from workbench.plan.cost.stacks import stack_software
 from workbench.plan.search.exhaustive import REASONS, best_layout, rank_layouts, reasons
 from workbench.plan.search.rules import validate_layout
 from workbench.plan.search.space import enumerate_space
@@ -221,3 +222,39 @@ def test_llama3_405b_own_layout_is_expressed_and_its_split_wins(llama3_405b) -> 
         assert r.step_time_s[ours] <= r.step_time_s[i] * (1 + 1e-12), other
     if (8, 6) in splits:
         assert r.peak_mem_bytes[ours] < r.peak_mem_bytes[splits[(8, 6)]]
+
+
+def test_the_bubble_is_the_other_stages_fill_and_drain() -> None:
+    """A 1F1B step takes ga micro-batches of the slowest stage plus one of every other (fill
+    and drain): the unlike stages of workbench.plan.pools.pipeline, and (pp - 1) of the slowest
+    for stages alike."""
+    cfg = compose(["model=llama3_8b", "cluster=h100_8x_ib"])
+    model, cluster, train = cfg.model, cfg.cluster, cfg.train
+
+    def terms(layers: tuple) -> dict:
+        lay = Layout(pp=2, tp=8, micro_batch=1, grad_accum=8, stage_layers=layers)
+        return estimate(model, cluster, train, lay).time_s
+
+    even, heavy = terms(()), terms((28, 4))
+    # stages alike up to the embedding and the head: close to one slowest micro-batch
+    assert even["time_pp_bubble_s"] < even["time_pp_p2p_s"] + even["time_fwd_s"] / 8 \
+        + even["time_bwd_s"] / 8 + even["time_tp_comm_s"] / 8
+    # 28 layers and 4: the drain is the light stage's micro-batch, about 4/28 of the heavy one
+    heavy_mb = (heavy["time_fwd_s"] + heavy["time_bwd_s"] + heavy["time_tp_comm_s"]) / 8
+    assert 0.1 < heavy["time_pp_bubble_s"] / heavy_mb < 0.3
+
+
+def test_this_engines_pipeline_sends_run_beside_its_compute() -> None:
+    """torch.distributed.pipelining's sends are asynchronous: with compute to hide behind, a
+    step pays one micro-batch's transfers however many micro-batches it runs; Megatron-Core's
+    batched sends are waited for every micro-batch."""
+    cfg = compose(["model=gpt_tiny", "cluster=local_cpu"])
+    pays = {ga: estimate(cfg.model, cfg.cluster, cfg.train,
+                         Layout(pp=2, micro_batch=4, grad_accum=ga)).time_s["time_pp_p2p_s"]
+            for ga in (2, 8)}
+    assert pays[2] == pytest.approx(pays[8]) and pays[2] > 0
+    megatron = stack_software("megatron", cfg.train, cfg.cluster)
+    mega = {ga: estimate(cfg.model, cfg.cluster, cfg.train,
+                         Layout(pp=2, micro_batch=4, grad_accum=ga), software=megatron
+                         ).time_s["time_pp_p2p_s"] for ga in (2, 8)}
+    assert mega[8] == pytest.approx(4 * mega[2])

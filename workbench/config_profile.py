@@ -111,6 +111,8 @@ class ProbeTable:
     shape: str = ""  # workbench.plan.cost.shapes.block_key of the model probed
     kind: List[str] = field(default_factory=list)
     degree: List[int] = field(default_factory=list)
+    # ranks of the job running probes at once (world/degree groups); empty: the degree alone
+    busy: List[int] = field(default_factory=list)
     layers: List[int] = field(default_factory=list)
     micro_batch: List[int] = field(default_factory=list)
     tokens: List[int] = field(default_factory=list)  # per rank

@@ -129,8 +129,12 @@ def _validate_profile(cluster: ClusterConfig) -> None:
     tables += [(f"{key}.compute[{i}].elementwise", level.elementwise, ("bytes", "s"))
                for i, level in enumerate(prof.compute)]
     tables += [(f"{key}.comms[{i}]", c, ("bytes", "s")) for i, c in enumerate(prof.comms)]
+    tables += [(f"{key}.probes[{i}]", p, _PROBE_COLS + (("busy",) if p.busy else ()))
+               for i, p in enumerate(prof.probes)]
     for where, table, cols in tables:
         lengths = {len(getattr(table, c)) for c in cols}
+        if where.startswith(f"{key}.probes"):
+            lengths.add(len(table.kind))
         if len(lengths) != 1 or not lengths.pop():
             raise ConfigError(where, "", f"columns {', '.join(cols)} must be non-empty lists "
                               "of one length")
@@ -147,6 +151,7 @@ def _validate_profile(cluster: ClusterConfig) -> None:
 
 _GEMM_COLS = ("k", "n", "tokens", "fwd_s", "bwd_s")
 _BLOCK_COLS = ("tp", "tokens", "fwd_s", "bwd_s", "loss_fwd_s", "loss_bwd_s")
+_PROBE_COLS = ("degree", "layers", "micro_batch", "tokens", "step_s")
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 

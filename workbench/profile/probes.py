@@ -9,7 +9,10 @@ engine runs it, which the cost model compares with its own price of the same
 probe (workbench.plan.cost.engine_residuals).
 
 Each degree k is probed by k ranks of the job in a process group of their own (the job's ranks
-beyond k wait), so that as many ranks compute as a run of k ranks would.
+beyond k wait), so that as many ranks compute as a run of k ranks would; on a CPU, where ranks
+share a host's cores, it is probed again with every rank of the job busy (world/k groups of k
+at once), as a larger layout runs its k-rank groups side by side: how much of the engine's cost
+grows when the cores are shared is measured, not assumed.
 """
 
 from __future__ import annotations
@@ -63,12 +66,12 @@ def _timed(engine: Any, batch: list) -> float:
 
 def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                  micro_batches: List[int], device: torch.device, show: Progress,
-                 reps: int = 7) -> List[Dict[str, Any]]:
+                 busy: int, reps: int = 7) -> List[Dict[str, Any]]:
     """Every kind of this degree, on models of 1 and 3 layers, at every micro-batch: the two
     timed in turn, `reps` times each (so a slow spell of the machine falls on both), medians."""
     rows = []
     for kind, layout in kinds(degree, model).items():
-        show(f"engine probes: {model.name} {kind} x{degree}")
+        show(f"engine probes: {model.name} {kind} x{degree}, {busy} ranks busy")
         engines = {}
         for layers in LAYERS:
             one = replace(model, n_layers=layers)
@@ -83,34 +86,56 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                 for n in LAYERS:
                     times[n].append(_timed(engines[n][1], batches[n]))
             for n in LAYERS:
-                rows.append({"model": model.name, "kind": kind, "degree": degree, "layers": n,
+                rows.append({"model": model.name, "kind": kind, "degree": degree,
+                             "busy": busy, "layers": n,
                              "micro_batch": mb, "tokens": mb * model.seq_len // layout.cp,
                              "step_s": statistics.median(times[n])})
     return rows
+
+
+def busy_counts(degree: int, world: int, device: torch.device) -> List[int]:
+    """How many of the job's ranks run a degree's probes at once: the degree alone, and on a
+    CPU (whose cores the ranks share) twice, four times ... as many, up to the whole job."""
+    if device.type != "cpu":
+        return [degree]
+    out, busy = [], degree
+    while busy < world:
+        out.append(busy)
+        busy *= 2
+    return out + [world]
 
 
 def run_probes(cfg: RunConfig, models: List[ModelConfig], degrees: List[int],
                micro_batches: List[int], rank: int, world: int, folder: Path,
                threads: Callable[[int], int], device: torch.device, show: Progress
                ) -> List[Dict[str, Any]]:
-    """The probes of every degree in turn, each in a process group of its first `degree`
-    ranks (the default group of the job must be gone); rank 0 returns the rows."""
+    """The probes of every degree and count of busy ranks in turn, each group of `degree`
+    ranks in a process group of its own (the default group of the job must be gone); rank 0
+    returns its group's rows."""
     rows: List[Dict[str, Any]] = []
-    for degree in degrees:
-        done = folder / f"probes_{degree}.done"
-        if rank < degree:
+    port = int(os.environ.get("MASTER_PORT", "29500")) + 1
+    stages = [(d, b) for d in degrees for b in busy_counts(d, world, device)]
+    for stage, (degree, busy) in enumerate(stages):
+        group, local = divmod(rank, degree)
+        if rank < busy:
             if device.type == "cpu":
-                torch.set_num_threads(threads(degree))
+                torch.set_num_threads(threads(busy))
             store = None if degree == 1 else dist.TCPStore(
-                os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                int(os.environ.get("MASTER_PORT", "29500")) + 1 + degree, degree, rank == 0)
-            with comm.process_group(device.type, rank, degree, comm.ByteCounter(),
+                os.environ.get("MASTER_ADDR", "127.0.0.1"), port + stage * world + group,
+                degree, local == 0)
+            with comm.process_group(device.type, local, degree, comm.ByteCounter(),
                                     store=store):
                 for model in models:
-                    rows += probe_degree(cfg, model, degree, rank, micro_batches, device,
-                                         show)
-            if rank == 0:
-                done.write_text("done")
-        while not done.exists():  # the ranks beyond this degree idle, as in a smaller run
+                    rows += probe_degree(cfg, model, degree, local, micro_batches, device,
+                                         show if rank == 0 else _quiet, busy)
+            if local == 0:
+                (folder / f"probes_{stage}_{group}.done").write_text("done")
+        # every group done before the next stage: the ranks beyond the busy ones idle
+        while not all((folder / f"probes_{stage}_{g}.done").exists()
+                      for g in range(busy // degree)):
             time.sleep(0.2)
     return rows if rank == 0 else []
+
+
+def _quiet(what: str) -> None:
+    """Progress of a group other than rank 0's: shown once, by rank 0's."""

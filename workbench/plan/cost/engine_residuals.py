@@ -7,10 +7,11 @@ hooks, DTensor dispatch, FSDP2's copies, autograd's graph): per layer (half of t
 less one) and per micro-batch (one layer less its layer), each a least-squares line in tokens
 through the probed micro-batches. A layout pays the plain
 probe's residuals, and for each kind of parallelism it uses the difference its kind's probe
-made, at its degree (the nearest probed); the engine's work runs on the cores the ranks
-share, so a residual probed while k ranks shared them takes longer by the ratio of
-oversubscription when a layout puts more ranks on them. No run is fitted:
-the probes are part of the profile, measured before any run they price.
+made, at its degree (the nearest probed). On a CPU the engine's work runs on the cores the
+ranks share: each degree was probed alone and again with every rank of the profile busy, and a
+layout takes the probe whose count of busy ranks is nearest its own, scaled by the ratio of
+oversubscription only where a layout puts more ranks on the cores than any probe did. No run is
+fitted: the probes are part of the profile, measured before any run they price.
 """
 
 from __future__ import annotations
@@ -39,32 +40,44 @@ PROBES: Dict[str, Callable[[int], Layout]] = {
 STEP_PARTS = ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_tp_comm_s",
               "time_cp_comm_s", "time_pp_p2p_s", "time_dp_comm_exposed_s")
 Curve = Tuple[np.ndarray, np.ndarray]
+Key = Tuple[str, int, int]  # kind, degree, ranks busy while it was probed
+
+
+def _nearest(values: list, target: float) -> int:
+    """The value nearest `target` on a log scale (the larger on a tie)."""
+    return min(sorted(values, reverse=True),
+               key=lambda p: abs(np.log2(p) - np.log2(max(target, 1.0))))
 
 
 @dataclass(frozen=True)
 class Residuals:
-    """Per (kind, degree): the engine's own seconds per layer and per micro-batch, over the
-    probe's tokens per rank; and the cores of the host the probes ran on."""
+    """Per (kind, degree, ranks busy): the engine's own seconds per layer and per micro-batch,
+    over the probe's tokens per rank; and the cores of the host the probes ran on."""
 
-    layer: Dict[Tuple[str, int], Curve]
-    micro_batch: Dict[Tuple[str, int], Curve]
+    layer: Dict[Key, Curve]
+    micro_batch: Dict[Key, Curve]
     cores: int
 
-    def at(self, table: str, kind: str, degree: np.ndarray, tokens: np.ndarray
-           ) -> np.ndarray:
-        """A residual per row, at the nearest probed degree of `kind` (0 where none)."""
+    def at(self, table: str, kind: str, degree: np.ndarray, tokens: np.ndarray,
+           busy: np.ndarray) -> np.ndarray:
+        """A residual per row, at the nearest probed degree of `kind` and, of its probes, the
+        one with the nearest count of busy ranks, scaled by how much more (or less) a row's
+        `busy` ranks oversubscribe the cores than the probe's did (0 where none)."""
         curves = getattr(self, table)
-        degrees = sorted(d for k, d in curves if k == kind)
         out = np.zeros(len(tokens))
+        degrees = {d for k, d, _ in curves if k == kind}
         if not degrees:
             return out
-        for d in set(np.asarray(degree, float).tolist()):
-            near = min(degrees, key=lambda p: abs(np.log2(p) - np.log2(max(d, 1.0))))
-            toks, secs = curves[(kind, near)]
-            rows = degree == d
+        degree, busy = np.broadcast_arrays(np.asarray(degree, float), np.asarray(busy, float))
+        for d, b in set(zip(degree.tolist(), busy.tolist())):
+            near = _nearest(list(degrees), d)
+            probed = _nearest([p for k, g, p in curves if k == kind and g == near], b)
+            toks, secs = curves[(kind, near, probed)]
+            rows = (degree == d) & (busy == b)
             # on the line, and past the probed tokens along it
             slope = (secs[-1] - secs[0]) / (toks[-1] - toks[0]) if len(toks) > 1 else 0.0
-            out[rows] = secs[0] + slope * (tokens[rows] - toks[0])
+            out[rows] = (secs[0] + slope * (tokens[rows] - toks[0])) \
+                * max(1.0, b / self.cores) / max(1.0, probed / self.cores)
         return out
 
 
@@ -79,21 +92,21 @@ def residuals(measured: Measured, shape: ModelShape,
     cached = measured.cache.get(("residuals", key))
     if cached is not None:
         return cached
-    layer: Dict[Tuple[str, int], Curve] = {}
-    per_mb: Dict[Tuple[str, int], Curve] = {}
-    for (kind, degree), by_layers in rows.items():
+    layer: Dict[Key, Curve] = {}
+    per_mb: Dict[Key, Curve] = {}
+    for (kind, degree, busy), by_layers in rows.items():
         if kind not in PROBES or set(by_layers) != {1, 3}:
             continue
         mbs = sorted(set(by_layers[1]) & set(by_layers[3]))
-        layouts = [replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs]
-        priced = {n: _step(price(replace(shape, n_layers=n), layout_columns(layouts)))
-                  for n in (1, 3)}
+        cols = layout_columns([replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs])
+        cols["busy"] = np.full(len(mbs), float(busy))  # priced as it ran: beside the others
+        priced = {n: _step(price(replace(shape, n_layers=n), cols)) for n in (1, 3)}
         measured_1 = np.array([by_layers[1][mb][1] for mb in mbs])
         measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
         tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
         one_layer = ((measured_3 - measured_1) - (priced[3] - priced[1])) / 2
-        layer[(kind, degree)] = _line(tokens, one_layer)
-        per_mb[(kind, degree)] = _line(tokens, measured_1 - priced[1] - one_layer)
+        layer[(kind, degree, busy)] = _line(tokens, one_layer)
+        per_mb[(kind, degree, busy)] = _line(tokens, measured_1 - priced[1] - one_layer)
     out = Residuals(layer, per_mb, measured.cores)
     measured.cache[("residuals", key)] = out
     return out
@@ -120,19 +133,18 @@ def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:
     (once a step)."""
     cols, tokens = rank.cols, rank.tokens
     one = np.ones(len(tokens))
-    shared = np.maximum(1.0, world / res.cores)  # ranks per core in the layout priced
+    busy = np.asarray(world, float)  # ranks sharing the cores in the layout priced
 
     def delta(table: str, kind: str, degree: np.ndarray, on: np.ndarray) -> np.ndarray:
-        probed = np.maximum(1.0, np.asarray(degree, float) / res.cores)
-        own = res.at(table, kind, degree, tokens) / probed
-        base = res.at(table, "plain", one, tokens) if table == "micro_batch" else 0.0
-        return np.where(on, (own - base) * shared, 0.0)
+        own = res.at(table, kind, degree, tokens, busy)
+        base = res.at(table, "plain", one, tokens, busy) if table == "micro_batch" else 0.0
+        return np.where(on, own - base, 0.0)
 
     tp_kind = np.where(cols["sp"] > 0, 1, 0)
     # A layer of one rank is the measured block itself: the plain probe's per-layer residual
     # is the machine's drift between the two measurements, not the engine's, and is left out.
     out = {"layer": np.zeros(len(tokens)),
-           "micro_batch": res.at("micro_batch", "plain", one, tokens) * shared,
+           "micro_batch": res.at("micro_batch", "plain", one, tokens, busy),
            "recompute": delta("layer", "recompute", one, rank.full_share > 0) * rank.full_share}
     for name, kind, degree in (("tp", "tp", cols["tp"]), ("cp", "cp", cols["cp"]),
                                ("fsdp", "fsdp", cols["dps"]),

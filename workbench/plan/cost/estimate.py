@@ -36,7 +36,7 @@ from workbench.plan.cost.per_rank import Arrays, per_rank, world_of
 from workbench.plan.cost.shapes import ModelShape, model_shape
 from workbench.plan.cost.software import Software
 from workbench.plan.cost.stacks import software_for
-from workbench.plan.cost.stages import stage
+from workbench.plan.cost.stages import Stage, stage
 
 # Adam step traffic per parameter: read+write fp32 master (8), m (8), v (8), read the fp32
 # gradient (4), write the 16-bit working copy (2), zero the gradient (4) -> bytes moved.
@@ -87,8 +87,9 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
     out: Arrays = {
         "time_fwd_s": ga * st.fwd_s, "time_bwd_s": ga * st.bwd_s,
         "time_recompute_s": ga * st.recompute_s, "time_tp_comm_s": ga * st.tp_s,
-        "time_cp_comm_s": ga * st.cp_s, "time_pp_p2p_s": ga * st.p2p_s,
-        "time_pp_bubble_s": (cols["pp"] - 1) / rank.virtual * per_mb,
+        "time_cp_comm_s": ga * st.cp_s, "time_pp_p2p_s": _p2p_exposed(st, ga, software),
+        "time_pp_bubble_s": (st.fill_s if st.fill_s is not None else (cols["pp"] - 1) * per_mb)
+        / rank.virtual,
         "time_dp_comm_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer_s,
     }
@@ -98,6 +99,16 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
     out["peak_mem_bytes"] = sum(out[k] for k in MEM_TERMS)
     out["stage_micro_batch_s"] = per_mb
     return out
+
+
+def _p2p_exposed(st: Stage, ga: np.ndarray, software: Software) -> np.ndarray:
+    """Pipeline transfers on the step's path: every micro-batch's where the stack waits for
+    them, else one micro-batch's and, in the steady state, what each takes beyond the compute
+    it runs beside (Software.p2p_overlap)."""
+    if not software.p2p_overlap:
+        return ga * st.p2p_s
+    beside = st.micro_batch_s - st.p2p_s
+    return st.p2p_s + (ga - 1) * np.maximum(st.p2p_s - beside, 0.0)
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,9 @@ class Measured:
     comms: Dict[Tuple[str, str], Dict[int, Dict[int, Tuple[np.ndarray, np.ndarray]]]] = \
         field(default_factory=dict)  # (kind, span) -> group -> ranks busy -> (bytes, s)
     fixed_bytes: float = 0.0  # memory a process holds before any model
-    # engine probes by block shape: (kind, degree) -> layers -> micro-batch -> (tokens, s)
-    probes: Dict[str, Dict[Tuple[str, int], Dict[int, Dict[int, Tuple[float, float]]]]] = \
+    # engine probes by block shape: (kind, degree, ranks busy) -> layers -> micro-batch ->
+    # (tokens, s)
+    probes: Dict[str, Dict[Tuple[str, int, int], Dict[int, Dict[int, Tuple[float, float]]]]] = \
         field(default_factory=dict)
     cores: int = 1  # of the host the profile ran on
     cache: Dict[Tuple[str, str], object] = field(default_factory=dict, compare=False)
@@ -156,14 +157,16 @@ class Measured:
             busy = int(c.ranks or meta.world)
             comms.setdefault((c.kind, c.span), {}).setdefault(int(c.group), {})[busy] = (
                 np.array(c.bytes, float), np.array(c.s, float))
-        probes: Dict[str, Dict[Tuple[str, int], Dict[int, Dict[int, Tuple[float, float]]]]] = {}
+        probes: Dict[str, Dict[Tuple[str, int, int], Dict[int, Dict[int, Tuple[float, float]]]]] \
+            = {}
         for table in profile.probes:
             mine = probes.setdefault(table.shape, {})
-            for kind, degree, layers, mb, tok, s in zip(table.kind, table.degree, table.layers,
-                                                        table.micro_batch, table.tokens,
-                                                        table.step_s):
-                mine.setdefault((kind, int(degree)), {}).setdefault(int(layers), {})[int(mb)] \
-                    = (float(tok), float(s))
+            busy = table.busy or table.degree  # a profile before busy probes: the degree alone
+            for kind, degree, b, layers, mb, tok, s in zip(
+                    table.kind, table.degree, busy, table.layers, table.micro_batch,
+                    table.tokens, table.step_s):
+                mine.setdefault((kind, int(degree), int(b)), {}).setdefault(
+                    int(layers), {})[int(mb)] = (float(tok), float(s))
         return cls(source=f"profile of {meta.host}, {meta.when}",
                    levels=tuple(sorted((Level.of(lv) for lv in profile.compute),
                                        key=lambda lv: lv.ranks)),

@@ -110,4 +110,7 @@ def per_rank(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
 
 
 def world_of(cols: Columns) -> np.ndarray:
-    return cols["dpr"] * cols["dps"] * cols["tp"] * cols["pp"] * cols["cp"]
+    """The ranks busy at once where a row runs: its layout's world, or more where a `busy`
+    column says other ranks ran beside it (an engine probe timed with the whole job busy)."""
+    world = cols["dpr"] * cols["dps"] * cols["tp"] * cols["pp"] * cols["cp"]
+    return np.maximum(world, cols["busy"]) if "busy" in cols else world

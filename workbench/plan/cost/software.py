@@ -140,6 +140,12 @@ class Software:
     # output is already split over the sequence on the TP ranks, so each sends its 1/tp shard.
     p2p_tp_split: bool = True
     p2p_blocking: bool = False
+    # torch.distributed.pipelining (this engine) posts a micro-batch's sends and receives as
+    # asynchronous p2p ops and waits for a receive only when its stage needs the tensor: in the
+    # steady state a transfer runs while the rank computes the next micro-batch, so only one
+    # micro-batch's transfers (the fill's and the drain's) and what a transfer takes beyond the
+    # compute beside it are on the step's path.
+    p2p_overlap: bool = False
 
     # FlashAttention 1.x kernels rather than FlashAttention-2 (Hagemann et al.'s
     # "flash_attentionv1.0.8" rows): see Coefficients.flash1_rel_speed.

@@ -34,11 +34,12 @@ def software_for(train: TrainConfig, cluster: ClusterConfig) -> Software:
     all-gather context parallelism, in the dtype a run on this cluster computes in (`auto`: bf16
     on cuda, fp32 on cpu). Its TP plan has a column-parallel linear per projection, each
     all-reducing its input gradient without SP, and its pipeline sends a stage's output as the
-    plan leaves it: the sequence shard under SP, else the whole tensor from every TP rank."""
+    plan leaves it: the sequence shard under SP, else the whole tensor from every TP rank,
+    asynchronously (Software.p2p_overlap)."""
     return Software(precision=compute_dtype(train, cluster),
                     compiled=bool(getattr(train, "compile", False)), cp_allgather=True,
-                    batch_first_sp=True, p2p_tp_split=False, separate_qkv=True,
-                    separate_gate_up=True)
+                    batch_first_sp=True, p2p_tp_split=False, p2p_overlap=True,
+                    separate_qkv=True, separate_gate_up=True)
 
 
 def stack_software(stack: str, train: TrainConfig, cluster: ClusterConfig,

@@ -4,9 +4,9 @@ The stages of a pipeline are not alike: the first holds the embedding and, under
 most micro-batches in flight; the last holds the LM head and the loss; the middle ones hold only
 layers. So the cost model times the first, a middle and the last pipeline rank apart (the
 layers of each from the split columns: per_rank.rank_layers) and the slowest sets the
-pipeline's per-micro-batch time and bubble; their memory is itemized the same way
-(workbench.plan.cost.memory). Any split list is scored by its fullest stages; which splits the
-planner tries is the search's (workbench.plan.search.splits).
+pipeline's per-micro-batch time; the others, summed, its fill and drain (the bubble); their
+memory is itemized the same way (workbench.plan.cost.memory). Any split list is scored by its
+fullest stages; which splits the planner tries is the search's (workbench.plan.search.splits).
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ class Stage:
     shard_params: np.ndarray  # parameters of one model-parallel shard (the fullest rank's)
     pipe_params: PipeLayers  # the same on the first, a middle and the last rank
     weight_bytes: float  # bytes of a working weight
+    # the other pipeline ranks' micro-batch, summed: 1F1B's fill and drain (None: pp - 1 of this)
+    fill_s: np.ndarray | None = None
 
 
 def stage_times(pipe_layers: PipeLayers, pp: np.ndarray, layer_s: tuple[np.ndarray, ...],
-                embed_s: np.ndarray, head_s: np.ndarray,
-                head_bwd_s: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+                embed_s: np.ndarray, head_s: np.ndarray, head_bwd_s: np.ndarray | None = None,
+                n_layers: float = 0.0) -> tuple[np.ndarray, ...]:
     """Forward, backward, recompute, tensor- and context-parallel seconds of one micro-batch on
     the pipeline rank whose micro-batch takes longest: it sets the pipeline's pace. `layer_s`
     holds those five parts for one layer; the first rank adds the embedding lookup, the last the
@@ -58,13 +60,17 @@ def stage_times(pipe_layers: PipeLayers, pp: np.ndarray, layer_s: tuple[np.ndarr
     last = (last_s >= first_s) & (last_s >= middle_s) & ~single
     first = ~last & (first_s >= middle_s)
     layers = np.where(last, pipe_layers[2], np.where(first, pipe_layers[0], pipe_layers[1]))
+    slowest = np.maximum(np.maximum(first_s, middle_s), last_s)
+    every = n_layers * per_layer + 3 * (embed_s + head_s)  # every rank's micro-batch, summed
+    others = np.maximum(every - slowest, 0.0)
+    fill = np.where(single, 0.0, others / np.maximum(slowest, 1e-30))
     ends = np.where(first | single, embed_s, 0.0) + np.where(last | single, head_s, 0.0)
     fwd, bwd, recompute, tp, cp = (layers * part for part in layer_s)
     if head_bwd_s is None:
-        return fwd + ends, bwd + 2 * ends, recompute, tp, cp
+        return fwd + ends, bwd + 2 * ends, recompute, tp, cp, fill
     ends_bwd = np.where(first | single, 2 * embed_s, 0.0) \
         + np.where(last | single, head_bwd_s, 0.0)
-    return fwd + ends, bwd + ends_bwd, recompute, tp, cp
+    return fwd + ends, bwd + ends_bwd, recompute, tp, cp, fill
 
 
 def rank_params(pipe_layers: PipeLayers, pp: np.ndarray, layer_params: float, embed: float,
@@ -104,9 +110,9 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
                                * shape.vocab * elem_bytes / bw_tp, 0.0)
     # the lookup's rows, written once
     embed = rank.elem_traffic * rank.tokens * rank.activations["input"] / rank.hbm_bytes_per_s
-    fwd_s, bwd_s, recompute_s, tp_s, cp_s = stage_times(
+    fwd_s, bwd_s, recompute_s, tp_s, cp_s, fill = stage_times(
         rank.pipe_layers, pp, (comp.layer_fwd_s, comp.layer_bwd_s, recompute, tp, cp), embed,
-        head, comp.ends_bwd_s)
+        head, comp.ends_bwd_s, shape.n_layers)
     # neighbours one stage apart
     bw_pp = group_bw(2, cols["tp"] * rank.reduce_ranks * rank.shard_ranks, gpu, coeff)
     split = np.where(software.p2p_tp_split | (cols["sp"] > 0), cols["tp"], 1.0)
@@ -119,7 +125,9 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
     layer_params = shape.mean_layer_params()
     pipe_params, shard_params = rank_params(rank.pipe_layers, pp, layer_params,
                                             shape.embed_params, shape.head_params, cols["tp"])
+    per_mb = fwd_s + bwd_s + recompute_s + tp_s + cp_s + p2p_s
     return Stage(fwd_s=fwd_s, bwd_s=bwd_s, recompute_s=recompute_s, tp_s=tp_s, cp_s=cp_s,
-                 p2p_s=p2p_s, micro_batch_s=fwd_s + bwd_s + recompute_s + tp_s + cp_s + p2p_s,
-                 layer_params=layer_params, shard_params=shard_params, pipe_params=pipe_params,
-                 weight_bytes=4.0 if software.precision == "fp32" else 2.0)
+                 p2p_s=p2p_s, micro_batch_s=per_mb, layer_params=layer_params,
+                 shard_params=shard_params, pipe_params=pipe_params,
+                 weight_bytes=4.0 if software.precision == "fp32" else 2.0,
+                 fill_s=fill * per_mb)
