@@ -17,7 +17,6 @@ grows when the cores are shared is measured, not assumed.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import replace
@@ -113,16 +112,16 @@ def run_probes(cfg: RunConfig, models: List[ModelConfig], degrees: List[int],
     ranks in a process group of its own (the default group of the job must be gone); rank 0
     returns its group's rows."""
     rows: List[Dict[str, Any]] = []
-    port = int(os.environ.get("MASTER_PORT", "29500")) + 1
     stages = [(d, b) for d in degrees for b in busy_counts(d, world, device)]
     for stage, (degree, busy) in enumerate(stages):
         group, local = divmod(rank, degree)
         if rank < busy:
             if device.type == "cpu":
                 torch.set_num_threads(threads(busy))
-            store = None if degree == 1 else dist.TCPStore(
-                os.environ.get("MASTER_ADDR", "127.0.0.1"), port + stage * world + group,
-                degree, local == 0)
+            # a file in the job's folder (which every rank shares already), not a port: a free
+            # port at the launch may be taken by the time a later stage binds it
+            store = None if degree == 1 else dist.FileStore(
+                str(folder / f"probes_{stage}_{group}.store"), degree)
             with comm.process_group(device.type, local, degree, comm.ByteCounter(),
                                     store=store):
                 for model in models:
