@@ -35,9 +35,11 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/loop_overhead.py": ["--steps", "6", "--trials", "1"],  # > its 5 warm-up steps
     # 2 micro-batches of 2 (a 2-stage pipeline needs 2): every layout, a quarter of the compute
     "benchmarks/parallel_cpu.py": ["--steps", "2", "--global-batch", "4", "--micro-batch", "2"],
-    "benchmarks/lowrank_cpu.py": ["--steps", "12", "model.n_layers=2", "model.hidden=64",
-                                  "model.ffn_hidden=256", "model.seq_len=64"],  # gpt_small, cut
-    "benchmarks/lowrank_switch.py": ["--steps", "12"],  # gpt_tiny, 4 runs to their switch or cap
+    # a few steps force every switch by the cap: the same code, no verdict (--smoke)
+    "benchmarks/lowrank_cpu.py": ["--smoke", "--steps", "12", "model.n_layers=2",
+                                  "model.hidden=64", "model.ffn_hidden=256",
+                                  "model.seq_len=64"],  # gpt_small, cut
+    "benchmarks/lowrank_switch.py": ["--smoke", "--steps", "12"],  # gpt_tiny, 4 runs
     "benchmarks/sweep_overhead.py": ["--trials", "4"],
     "benchmarks/prepare_speed.py": ["--mb", "1", "--vocab", "512"],
     "benchmarks/concurrent_runs.py": ["--runs", "2", "--steps", "2"],

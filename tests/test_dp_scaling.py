@@ -132,6 +132,24 @@ def test_benchmark_combines_runs_split_by_mode(tmp_path):
     assert twice.returncode == 2 and "different modes" in twice.stderr
 
 
+def test_the_scaling_benchmark_exits_1_when_its_verdict_fails(tmp_path):
+    """A prediction 30% off the measurement fails the 20% check: FAIL printed, exit 1."""
+    import json
+
+    from workbench.lowrank.dp_chart import MEASURED
+
+    rec = json.loads(MEASURED.read_text())
+    rows = [dict(r) for r in rec["rows"]]
+    rows[1]["error_pct"] = 30.0
+    part = tmp_path / "off.json"
+    part.write_text(json.dumps({**rec, "rows": rows}))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lowrank_scaling.py"),
+                           "--combine", str(part), "--json", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "FAIL  predicted tokens/s within 20% of measured (largest error 30%)" in proc.stdout
+
+
 def test_chart_is_written_into_the_sweep_report(tmp_path):
     """The sweep's report gets the chart (a prediction: seconds, no training)."""
     from workbench.sweep.lowrank import scaling_chart

@@ -78,3 +78,24 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir, monkeypatch):
     assert "lowrank/switch_forced" in logged
     md = (sweep / "report" / "report.md").read_text()
     assert all(f"| {m} |" in md for m in ("off", "adaptive", "fixed", "powersgd"))
+
+
+@pytest.mark.parametrize("script,args,failed", [
+    ("lowrank_switch.py", ["--steps", "12"], "FAIL  no switch forced by max_switch_frac"),
+    ("lowrank_cpu.py", ["--steps", "12", "--modes", "off,adaptive", "model.n_layers=2",
+                        "model.hidden=64", "model.ffn_hidden=256", "model.seq_len=64"],
+     "FAIL  switch by the detector"),
+])
+def test_a_lowrank_benchmark_whose_verdict_fails_exits_1(workdir, script, args, failed):
+    """Twelve steps leave the detector no room: the cap forces the switch, the benchmark says
+    FAIL and exits 1 (and with --smoke, the README's CI size, prints no verdict at all)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args,
+                           "--out", str(workdir / "out")], cwd=workdir, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert failed in proc.stdout
