@@ -17,6 +17,7 @@ grows when the cores are shared is measured, not assumed.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import replace
@@ -89,6 +90,11 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                              "busy": busy, "layers": n,
                              "micro_batch": mb, "tokens": mb * model.seq_len // layout.cp,
                              "step_s": statistics.median(times[n])})
+        # gone while their process group lives: a parallelized model holds the group in
+        # reference cycles, and one collected after the group's end (or at the interpreter's)
+        # aborted a rank now and then ("terminate called without an active exception")
+        engines.clear()
+        gc.collect()
     return rows
 
 
@@ -127,6 +133,8 @@ def run_probes(cfg: RunConfig, models: List[ModelConfig], degrees: List[int],
                 for model in models:
                     rows += probe_degree(cfg, model, degree, local, micro_batches, device,
                                          show if rank == 0 else _quiet, busy)
+            del store
+            gc.collect()
             if local == 0:
                 (folder / f"probes_{stage}_{group}.done").write_text("done")
         # every group done before the next stage: the ranks beyond the busy ones idle
