@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# start-local-cluster.sh - install (when missing), configure and start a real one-node Slurm
-# cluster on this machine: munged + slurmctld + slurmd (+ slurmdbd and a private MariaDB for
-# accounting, which `sacct` and therefore submitit's job states need). Loopback only, no
+# start-local-cluster.sh [--nodes N] [--link-mbit R] - install (when missing), configure and
+# start a real Slurm cluster on this machine: munged + slurmctld + slurmd (+ slurmdbd and a
+# private MariaDB for accounting, which `sacct` and therefore submitit's job states need). No
 # cgroups, state under one folder. Idempotent: a second run only checks the daemons and waits
-# for the node. Needs root (it starts daemons as root and may apt-get install).
+# for the nodes. Needs root (it starts daemons as root and may apt-get install).
+#
+# --nodes 1 (the default): two slurmds on loopback, one per partition (debug, pool2).
+# --nodes N (N >= 2): N compute nodes node1..nodeN, each a slurmd in its own network and UTS
+#   namespace with its own address on a virtual network (10.78.0.0/24) whose head, 10.78.0.1,
+#   runs slurmctld (slurm/nodes.sh); partitions debug (every node, the default) and pool2
+#   (node2). --link-mbit R limits every node's NIC to R Mbit/s both ways (0: unlimited).
+#   Without --nodes, a running cluster keeps its node count.
 #
 # Knobs (environment, all optional):
 #   SLURM_LOCAL_DIR    state, config, logs, pid files     (default /tmp/workbench-slurm)
@@ -20,6 +27,32 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 D=${SLURM_LOCAL_DIR:-/tmp/workbench-slurm}
+NODES="" LINK_MBIT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) NODES=${2:-}; shift 2 || shift ;;
+    --nodes=*) NODES=${1#*=}; shift ;;
+    --link-mbit) LINK_MBIT=${2:-}; shift 2 || shift ;;
+    --link-mbit=*) LINK_MBIT=${1#*=}; shift ;;
+    *) echo "start-local-cluster.sh: unknown argument '$1' (valid: --nodes N, --link-mbit R)" >&2
+       exit 2 ;;
+  esac
+done
+running=0  # a running cluster keeps its shape: its node count and link rate
+if [ -s "$D/run/slurmctld.pid" ] && kill -0 "$(cat "$D/run/slurmctld.pid")" 2>/dev/null; then
+  running=1
+fi
+if [ -z "$NODES" ]; then
+  NODES=1
+  if [ "$running" = 1 ] && [ -s "$D/etc/nodes" ]; then NODES=$(cat "$D/etc/nodes"); fi
+fi
+if [ -z "$LINK_MBIT" ]; then
+  LINK_MBIT=0
+  if [ "$running" = 1 ] && [ -s "$D/etc/link_mbit" ]; then LINK_MBIT=$(cat "$D/etc/link_mbit"); fi
+fi
+case "$NODES" in ''|*[!0-9]*|0) echo "start-local-cluster.sh: --nodes must be a whole number >= 1, not '$NODES'" >&2; exit 2 ;; esac
+[ "$NODES" -le 64 ] || { echo "start-local-cluster.sh: --nodes must be at most 64, not $NODES" >&2; exit 2; }
+case "$LINK_MBIT" in ''|*[!0-9.]*) echo "start-local-cluster.sh: --link-mbit must be a number of Mbit/s (0: unlimited), not '$LINK_MBIT'" >&2; exit 2 ;; esac
 AUTH=${SLURM_AUTH:-munge}
 ACCT=${SLURM_ACCOUNTING:-1}
 LINK_ETC=${SLURM_LINK_ETC:-1}
@@ -27,7 +60,33 @@ FRESH=${SLURM_FRESH:-0}
 WAIT_S=${SLURM_WAIT_S:-60}
 NODE=$(hostname -s)
 DB_PORT=3307 DBD_PORT=6819 CTLD_PORT=6817 SLURMD_PORT=6818 SLURMD2_PORT=6820
-NODE2=$NODE-pool2   # the second node (partition pool2): a second slurmd on this host
+NODE2=$NODE-pool2   # one node: a second slurmd on this host for partition pool2
+if [ "$NODES" = 1 ]; then
+  CTLD_ADDR=127.0.0.1
+  COMPUTE=("$NODE" "$NODE2")
+  # Two partitions, each with a node of its own: `debug` (the default) and `pool2` (a second
+  # slurmd on this same host). A cluster made of pools (cluster.pools[*].partition) is launched
+  # as ONE heterogeneous job with one component per partition (workbench/launch/hetjob.py). Two
+  # slurmds, not one node in both partitions: Slurm's backfill scheduler, the only one that
+  # starts heterogeneous jobs, plans whole nodes, so two components never start on one node
+  # (tried: they pend on Resources forever).
+  NODE_LINES="NodeName=$NODE NodeAddr=127.0.0.1 CPUs=@CPUS@ RealMemory=@MEM_MB@ State=UNKNOWN
+NodeName=$NODE2 NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$SLURMD2_PORT CPUs=@CPUS@ RealMemory=@MEM_MB@ State=UNKNOWN
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+PartitionName=pool2 Nodes=$NODE2 Default=NO MaxTime=INFINITE State=UP"
+else
+  CTLD_ADDR=10.78.0.1   # the head's address on the nodes' network (slurm/nodes.sh)
+  COMPUTE=()
+  NODE_LINES=""
+  for k in $(seq "$NODES"); do
+    COMPUTE+=("node$k")
+    NODE_LINES+="NodeName=node$k NodeAddr=10.78.0.$((10 + k)) CPUs=@CPUS@ RealMemory=@MEM_MB@ State=UNKNOWN
+"
+  done
+  # debug: every node (multi-node jobs, arrays); pool2: node2 (a pooled run's second component)
+  NODE_LINES+="PartitionName=debug Nodes=node[1-$NODES] Default=YES MaxTime=INFINITE State=UP
+PartitionName=pool2 Nodes=node2 Default=NO MaxTime=INFINITE State=UP"
+fi
 
 log() { echo "[slurm-local $(date +%T)] $*" >&2; }
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -37,6 +96,7 @@ t0=$SECONDS
 pkgs=(slurmctld slurmd slurm-client)
 [ "$AUTH" = munge ] && pkgs+=(munge)
 [ "$ACCT" = 1 ] && pkgs+=(slurmdbd mariadb-server)
+[ "$NODES" -gt 1 ] && pkgs+=(iproute2)   # ip netns, veth, bridge, tc (slurm/nodes.sh)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -99,6 +159,7 @@ fi
 render() {  # render TEMPLATE: fill every @NAME@ placeholder (values may span lines)
   local t
   t=$(<"$1")
+  t=${t//@NODE_LINES@/$NODE_LINES}; t=${t//@CTLD_ADDR@/$CTLD_ADDR}
   t=${t//@NODE@/$NODE}; t=${t//@DIR@/$D}; t=${t//@CPUS@/$CPUS}; t=${t//@MEM_MB@/$MEM_MB}
   t=${t//@CTLD_PORT@/$CTLD_PORT}; t=${t//@SLURMD_PORT@/$SLURMD_PORT}; t=${t//@SLURMD2_PORT@/$SLURMD2_PORT}
   t=${t//@DBD_PORT@/$DBD_PORT}; t=${t//@DB_PORT@/$DB_PORT}
@@ -133,8 +194,7 @@ stop_pid() {  # stop_pid PIDFILE: TERM the daemon named by its pid file and wait
 }
 if [ "$conf_changed" = 1 ]; then
   # slurmd.pid: the pid file of the one-slurmd layout before the second partition's node
-  for pf in "$D/run/slurmd.pid" "$D/run/slurmd-$NODE.pid" "$D/run/slurmd-$NODE2.pid" \
-            "$D/run/slurmctld.pid"; do
+  for pf in "$D"/run/slurmd*.pid "$D/run/slurmctld.pid"; do
     if alive "$pf"; then log "config changed: restarting $(basename "$pf" .pid)"; fi
     stop_pid "$pf"
   done
@@ -188,8 +248,21 @@ fi
 
 # ------------------------------------------------------------------ slurm daemons
 if ! alive "$D/run/slurmctld.pid"; then log "starting slurmctld"; slurmctld -f "$SLURM_CONF"; fi
-for n in "$NODE" "$NODE2"; do
-  if ! alive "$D/run/slurmd-$n.pid"; then log "starting slurmd $n"; slurmd -f "$SLURM_CONF" -N "$n"; fi
+if [ "$NODES" -gt 1 ]; then
+  # the loopback layout's nodes, if any ran before, are not in this config
+  for n in "$NODE" "$NODE2"; do stop_pid "$D/run/slurmd-$n.pid"; done
+  bash "$HERE/nodes.sh" up "$NODES" "$LINK_MBIT"
+else
+  for pf in "$D"/run/slurmd-node*.pid; do [ -e "$pf" ] && stop_pid "$pf"; done
+  bash "$HERE/nodes.sh" down
+fi
+echo "$NODES" > "$D/etc/nodes"
+echo "$LINK_MBIT" > "$D/etc/link_mbit"
+for n in "${COMPUTE[@]}"; do
+  if ! alive "$D/run/slurmd-$n.pid"; then
+    log "starting slurmd $n"
+    if [ "$NODES" = 1 ]; then slurmd -f "$SLURM_CONF" -N "$n"; else bash "$HERE/nodes.sh" start "$n"; fi
+  fi
 done
 
 usable() {  # usable NODE: its state lets jobs start (node_state NODE prints it)
@@ -197,19 +270,21 @@ usable() {  # usable NODE: its state lets jobs start (node_state NODE prints it)
 }
 node_state() { sinfo -h -N -n "$1" -o %T 2>/dev/null | head -1; }
 for _ in $(seq $((WAIT_S * 2))); do
-  usable "$NODE" && usable "$NODE2" && break
-  for n in "$NODE" "$NODE2"; do
+  all=1
+  for n in "${COMPUTE[@]}"; do usable "$n" || all=0; done
+  [ "$all" = 1 ] && break
+  for n in "${COMPUTE[@]}"; do
     case "$(node_state "$n")" in
       down*|drain*) scontrol update NodeName="$n" State=RESUME >/dev/null 2>&1 || true ;;
     esac
   done
   sleep 0.5
 done
-for n in "$NODE" "$NODE2"; do
+for n in "${COMPUTE[@]}"; do
   if ! usable "$n"; then
     log "node $n did not become idle (state '$(node_state "$n")'); logs in $D/log/"
     sinfo -R || true; exit 1
   fi
 done
-state=$(node_state "$NODE")
-log "cluster up in $((SECONDS - t0)) s: nodes $NODE (partition debug) and $NODE2 (pool2) $state, $CPUS CPUs, ${MEM_MB} MB; export SLURM_CONF=$SLURM_CONF"
+state=$(node_state "${COMPUTE[0]}")
+log "cluster up in $((SECONDS - t0)) s: nodes ${COMPUTE[*]} $state (partition debug: ${COMPUTE[0]}$([ "$NODES" = 1 ] || echo "..node$NODES"), pool2: ${COMPUTE[1]}), $CPUS CPUs and ${MEM_MB} MB each; export SLURM_CONF=$SLURM_CONF"

@@ -30,6 +30,10 @@ for pf in "$D"/run/slurmd-*.pid "$D"/run/{slurmd,slurmctld,slurmdbd,mysqld,munge
   fi
   rm -f "$pf"
 done
+# the nodes' namespaces of --nodes N (slurm/nodes.sh): what still runs there, then the network
+if ip netns list 2>/dev/null | grep -q '^wbslurm-'; then
+  bash "$(dirname "${BASH_SOURCE[0]}")/nodes.sh" down
+fi
 if [ "${1:-}" = "--purge" ]; then
   if [ -L /etc/slurm/slurm.conf ] && [ "$(readlink /etc/slurm/slurm.conf)" = "$D/etc/slurm.conf" ]; then
     rm -f /etc/slurm/slurm.conf

@@ -1,4 +1,5 @@
-"""Against the real Slurm cluster of slurm/start-local-cluster.sh (one host, two slurmd nodes):
+"""Against the real Slurm cluster of slurm/start-local-cluster.sh (two slurmd nodes; in CI the
+two-node cluster of `--nodes 2`, each node in its own network namespace):
 a world-size-2 run logging through the tracking server (HTTP), a layout search as one job array
 (detached, then collected) with its Optuna study in PostgreSQL and its runs in the server,
 requeue/time-limit signals that resume from the checkpoint into the same MLflow run (sqlite),
@@ -32,6 +33,14 @@ def cluster_up() -> str:
                                  for s in states):
         return f"no usable Slurm node ({out.stderr.strip() or states})"
     return ""
+
+
+def usable_nodes() -> list:
+    """The default partition's usable nodes, by name (node1, node2 on the two-node cluster)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T"], capture_output=True,
+                         text=True, timeout=30, check=False).stdout
+    return sorted(n for n, state in (line.split() for line in out.splitlines() if line.strip())
+                  if state.rstrip("*") in ("idle", "mixed", "allocated"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,6 +132,8 @@ def test_layout_search_array_in_postgresql_and_the_server(server, workdir):
     parent = [r for r in runs if r.data.tags.get("wb.sweep_role") == "parent"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(parent) == 1 and len(children) == 2 and len(runs) == 3
+    if len(usable_nodes()) >= 2:  # each trial takes a node's 2 CPUs: the array spreads
+        assert {c.data.tags["wb.rank0.node"] for c in children} == set(usable_nodes()[:2])
     for child in children:
         assert child.data.tags["slurm.array_job_id"] in arrays
         assert "pred/tokens_per_s" in child.data.metrics and "tokens_per_s" in child.data.metrics
@@ -253,6 +264,8 @@ def test_two_pools_train_as_one_heterogeneous_job_and_one_run(workdir):
     assert [tags[f"slurm.het_group{k}.partition"] for k in (0, 1)] == ["debug", "pool2"]
     assert [tags[f"wb.rank{r}.node"] for r in (0, 1)] == \
         [tags[f"slurm.het_group{k}.nodelist"] for k in (0, 1)]
+    if len(usable_nodes()) >= 2:  # two nodes: each pool's rank on its own node
+        assert [tags[f"wb.rank{r}.node"] for r in (0, 1)] == ["node1", "node2"]
     job_id = tags["slurm.job_id"]
     acct = settled_acct(job_id)
     assert sorted(acct.split()) == [f"{job_id}+0|debug|COMPLETED",

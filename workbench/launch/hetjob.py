@@ -103,9 +103,10 @@ def stage_tags(comps: List[Component], layout: Layout, n_layers: int) -> Dict[st
 
 
 def rank_tags(global_rank: int) -> Dict[str, str]:
-    """Where this rank ran, from its own Slurm environment (evidence, not intent)."""
+    """What Slurm made of the components, as rank 0 sees it (evidence, not intent); each
+    rank's own node is tagged by every multi-task job (launch/slurm.node_tags)."""
     e = os.environ
-    tags = {f"wb.rank{global_rank}.node": e.get("SLURMD_NODENAME", "")}
+    tags: Dict[str, str] = {}
     if global_rank == 0 and e.get("SLURM_HET_SIZE"):
         tags["slurm.het_size"] = e["SLURM_HET_SIZE"]
         for k in range(int(e["SLURM_HET_SIZE"])):

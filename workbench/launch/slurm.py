@@ -13,6 +13,7 @@ edited in the working tree since submission.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -27,6 +28,7 @@ import submitit
 from workbench.config import LauncherConfig, TrackingConfig
 from workbench.errors import ConfigError
 from workbench.job import Job
+from workbench.launch.node_loss import peer_lost, wait_for_requeue
 from workbench.launch.world import world_size
 from workbench.startup import fewer_gc_passes
 
@@ -87,13 +89,21 @@ class TrainTask(submitit.helpers.Checkpointable):
         signal.signal(signal.SIGUSR2, flag.handler)
         signal.signal(signal.SIGTERM, flag.handler)
         job = Job.load(self.job_path)
-        if env.global_rank == 0:
-            _tag_run(job, slurm_tags(env))
+        tags = slurm_tags(env) if env.global_rank == 0 else {}
+        if env.num_tasks > 1:
+            tags |= node_tags(env.global_rank)
         if het:
             from workbench.launch.hetjob import rank_tags
 
-            _tag_run(job, rank_tags(env.global_rank))
-        last = job.run_on_this_rank(progress=False, stop_requested=flag.local)
+            tags |= rank_tags(env.global_rank)
+        if tags:
+            _tag_run(job, tags)
+        try:
+            last = job.run_on_this_rank(progress=False, stop_requested=flag.local)
+        except Exception as exc:
+            if int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1) > 1 and peer_lost(exc):
+                wait_for_requeue(env.global_rank, exc, str(job.run_dir))  # launch/node_loss
+            raise
         if "stopped_at" not in last:
             # Done: a time-limit warning that arrives now must not kill the exiting process
             # (Slurm would then record FAILED for a finished run).
@@ -162,6 +172,45 @@ def slurm_tags(env: submitit.JobEnvironment | None = None) -> dict[str, str]:
     return {k: v for k, v in tags.items() if v}
 
 
+def node_tags(global_rank: int) -> dict[str, str]:
+    """Where this rank ran, from its own environment (evidence, not intent): its node, and the
+    address its collectives use (the one its host name resolves to, gloo's default device); on
+    rank 0 also the rendezvous address, the job's node count and what limits that address's
+    NIC (a `tc` qdisc, as the local cluster's --link-mbit sets; 'no limit' when none)."""
+    e = os.environ
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        addr = ""
+    tags = {f"wb.rank{global_rank}.node": e.get("SLURMD_NODENAME", ""),
+            f"wb.rank{global_rank}.addr": addr}
+    if global_rank == 0:
+        tags |= {"slurm.nnodes": e.get("SLURM_JOB_NUM_NODES", ""),
+                 "wb.rendezvous": f"{e.get('MASTER_ADDR', '')}:{e.get('MASTER_PORT', '')}",
+                 "wb.link.nic": nic_limit(addr)}
+    return {k: v for k, v in tags.items() if v and v != ":"}
+
+
+def nic_limit(addr: str) -> str:
+    """'IFACE: tbf rate 100Mbit' (the root qdisc's rate on the interface holding `addr`),
+    'IFACE: no limit', or '' where iproute2 is missing or the address is on no interface."""
+    import shutil
+    import subprocess
+
+    if not addr or shutil.which("ip") is None or shutil.which("tc") is None:
+        return ""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                         timeout=10, check=False).stdout
+    iface = next((line.split()[1] for line in out.splitlines()
+                  if f" {addr}/" in line), "")
+    if not iface:
+        return ""
+    qdisc = subprocess.run(["tc", "qdisc", "show", "dev", iface, "root"], capture_output=True,
+                           text=True, timeout=10, check=False).stdout
+    found = re.search(r"\b(tbf|htb|netem)\b.*?\brate (\S+)", qdisc)
+    return f"{iface}: {found.group(1)} rate {found.group(2)}" if found else f"{iface}: no limit"
+
+
 def _tag_run(job: Job, tags: dict[str, str]) -> None:
     """Tag the job's run from inside the job (restart count and node list change per attempt)."""
     cfg = job.run_config()
@@ -202,7 +251,10 @@ def sbatch_parameters(cfg: LauncherConfig, name: str) -> dict[str, Any]:
                               "ntasks_per_node": cfg.tasks_per_node,
                               "cpus_per_task": cfg.cpus_per_task, "time": cfg.time_min,
                               "signal_delay_s": min(SIGNAL_DELAY_S, max(10, cfg.time_min * 30)),
-                              "stderr_to_stdout": False}
+                              "stderr_to_stdout": False,
+                              # a rank that fails ends its peers at once (they would otherwise
+                              # wait for a node loss that is not one: launch/node_loss)
+                              "srun_args": ["--kill-on-bad-exit=1"]}
     for key in ("partition", "account", "qos", "constraint"):
         if getattr(cfg, key):
             params[key] = getattr(cfg, key)
@@ -278,4 +330,29 @@ class SlurmLauncher:
     def launch(self, job: Job) -> dict[str, float]:
         handle = self.submit(job)
         print(f"slurm job {handle.job_id}; logs: {handle.paths.stdout}", file=sys.stderr)
-        return handle.results()[0]  # one result per task; rank 0 owns the metrics
+        return results(handle)[0]  # one result per task; rank 0 owns the metrics
+
+
+def results(handle: submitit.Job[Any], poll_s: float = 2.0) -> list[Any]:
+    """submitit's results of a job, waiting through Slurm's requeues. After a node failure
+    sacct reports the attempt that died (NODE_FAIL) while Slurm has already queued the job again
+    (launch/node_loss); submitit takes that state for the job's end and, finding no result,
+    raises. The job is done only once it has left the queue."""
+    from submitit.core.utils import UncompletedJobError
+
+    while True:
+        try:
+            return handle.results()
+        except UncompletedJobError:
+            if not still_queued(handle.job_id):
+                raise
+            time.sleep(poll_s)
+
+
+def still_queued(job_id: str) -> bool:
+    """Is the job pending, running or requeued in Slurm's queue (not ended)?"""
+    import subprocess
+
+    out = subprocess.run(["squeue", "-h", "-j", job_id.split("_")[0], "-o", "%T"],
+                         capture_output=True, text=True, timeout=30, check=False).stdout
+    return any(state.strip() for state in out.splitlines())

@@ -33,9 +33,11 @@ Progress = Callable[[str], None]
 
 def where() -> Dict[str, Any]:
     """This rank's host (a physical machine: its cores are shared), its node (a network
-    endpoint: a host, or a network namespace on one) and its device."""
+    endpoint: a host, or a network namespace on one) and its device. The host is the running
+    kernel's boot id, not the host name: the nodes of the local multi-node cluster
+    (slurm/nodes.sh) have host names of their own but share this machine's cores."""
     boot = Path("/proc/sys/kernel/random/boot_id")
-    host = socket.gethostname() + ":" + (boot.read_text().strip() if boot.exists() else "")
+    host = boot.read_text().strip() if boot.exists() else socket.gethostname()
     try:
         net = os.readlink("/proc/self/ns/net")
     except OSError:

@@ -9,6 +9,7 @@ package by what the config asks for (workbench/rank.py).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -60,9 +61,15 @@ def run_job(job: Job, hooks_for: HooksFor = no_hooks, progress: bool = True,
     if cfg.cluster.device == "cuda":
         torch.cuda.set_device(world["local_rank"])
     counter = comm.ByteCounter()  # what the process group counts into, and the engine reads
-    # The default group lives exactly as long as training.
+    # The default group lives exactly as long as training. The engine's parallelized model holds
+    # the group in reference cycles: collected after the group's end (at the interpreter's exit)
+    # it aborted a rank now and then ("terminate called without an active exception"; seen on
+    # the two-node cluster at the end of a finished run), so it is collected while the group lives.
     with comm.process_group(cfg.cluster.device, world["rank"], world["world_size"], counter):
-        return _train(job, cfg, world, counter, hooks_for, progress, stop_requested)
+        try:
+            return _train(job, cfg, world, counter, hooks_for, progress, stop_requested)
+        finally:
+            gc.collect()
 
 
 def _engine(job: Job, cfg, world: Dict[str, int], counter: comm.ByteCounter) -> MeshEngine:
