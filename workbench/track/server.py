@@ -160,12 +160,15 @@ def _secret(path: Path) -> str:
     return path.read_text().strip()
 
 
-def _allowed_hosts(s: Settings) -> List[str]:
+def _allowed_hosts(s: Settings) -> Dict[str, str]:
+    """MLflow's Host-header check opened to this machine's names and private addresses, as an
+    environment variable: its `--allowed-hosts` flag is refused beside `--gunicorn-opts`
+    (MLflow 3), while the Flask app reads MLFLOW_SERVER_ALLOWED_HOSTS under gunicorn too."""
     if s.host in LOOPBACK:
-        return []
+        return {}
     names = {socket.gethostname(), socket.getfqdn(), s.host, "localhost", "127.0.0.1"}
     pats = [p for n in sorted(names) for p in (n, f"{n}:*")]
-    return ["--allowed-hosts", ",".join(pats + ["10.*", "192.168.*", "172.*"])]
+    return {"MLFLOW_SERVER_ALLOWED_HOSTS": ",".join(pats + ["10.*", "192.168.*", "172.*"])}
 
 
 def start_mlflow(state_dir: Path, s: Settings, pg: Postgres,
@@ -178,13 +181,13 @@ def start_mlflow(state_dir: Path, s: Settings, pg: Postgres,
     (state_dir / "artifacts").mkdir(exist_ok=True)
     (state_dir / "run").mkdir(exist_ok=True)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           "MLFLOW_DISABLE_TELEMETRY": "true", "PGPASSFILE": str(pg.pgpass), **secrets_env}
+           "MLFLOW_DISABLE_TELEMETRY": "true", "PGPASSFILE": str(pg.pgpass), **secrets_env,
+           **_allowed_hosts(s)}
     cmd = [sys.executable, "-m", "mlflow", "server",
            "--backend-store-uri", pg.url("mlflow", "127.0.0.1"),
            "--serve-artifacts", "--artifacts-destination", str(state_dir / "artifacts"),
            "--host", s.host, "--port", str(s.port), "--workers", str(s.workers),
-           "--gunicorn-opts", f"--threads {s.threads}",
-           *_allowed_hosts(s)]
+           "--gunicorn-opts", f"--threads {s.threads}"]
     if s.auth:
         env["MLFLOW_AUTH_CONFIG_PATH"] = str(_auth_config(state_dir, pg))
         env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = _secret(state_dir / "flask_secret")
