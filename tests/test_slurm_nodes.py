@@ -162,3 +162,40 @@ def test_a_node_lost_mid_run_is_requeued_and_resumes_bitwise(workdir, victim):
     assert [v for _, v in series] == [v for _, v in reference]  # bitwise
     log = Path(handle.paths.stderr).read_text()
     assert "resumed from checkpoint" in log
+
+
+def test_a_node_lost_under_no_requeue_fails_with_one_line_and_resumes(workdir):
+    """A site that forbids requeue (`--no-requeue`): the lost node ends the job, the command
+    exits 1 with one line naming the node and the resume command, and that command continues
+    the run from its checkpoint, every step recorded once."""
+    import sys
+
+    run_dir = workdir / "no_requeue"
+    args = ["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", *LOSS_RUN,
+            "+launcher.extra_sbatch.no-requeue=true", f"train.run_dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.run", *args], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ.copy())
+    from mlflow.tracking import MlflowClient
+
+    from workbench.job import Job
+
+    # the store is read once the run exists (its job file written): a raw MLflow client that
+    # creates ./mlflow.db itself, while the command creates it too, is not what is tested here
+    _wait(lambda: (run_dir / "job.json").is_file(), 120, "the run's job file")
+    run_id, client = Job.load(str(run_dir / "job.json")).run_id, MlflowClient()
+    _wait(lambda: len(client.get_metric_history(run_id, "loss")) >= 11, 300,
+          "the run to pass its first checkpoint (step 8)")
+    nodes_sh("lose", "node2")
+    out, err = proc.communicate(timeout=300)
+    nodes_sh("start", "node2")
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: slurm job ") and "lost a node (NODE_FAIL" in last, last
+    assert "node2" in last and f"train.run_dir={run_dir}" in last, last
+    _wait(lambda: node_states().get("node2", "").rstrip("*") == "idle", 120, "node2 back")
+    resumed = cli("workbench.run", [f"train.run_dir={run_dir}"], workdir, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = only_run()
+    assert run.info.status == "FINISHED"
+    assert [s for s, _ in metric_series(run.info.run_id, "loss")] == list(range(24))

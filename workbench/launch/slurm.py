@@ -330,7 +330,19 @@ class SlurmLauncher:
     def launch(self, job: Job) -> dict[str, float]:
         handle = self.submit(job)
         print(f"slurm job {handle.job_id}; logs: {handle.paths.stdout}", file=sys.stderr)
-        return results(handle)[0]  # one result per task; rank 0 owns the metrics
+        from submitit.core.utils import UncompletedJobError
+
+        try:
+            return results(handle)[0]  # one result per task; rank 0 owns the metrics
+        except UncompletedJobError:
+            state = ended_state(handle.job_id)
+            if not state.startswith("NODE_FAIL"):
+                raise
+            from workbench.launch.world import RanksFailed
+
+            raise RanksFailed(f"slurm job {handle.job_id} lost a node ({state}) and Slurm did not "
+                              f"requeue it; resume with: python -m workbench.run "
+                              f"train.run_dir={job.run_dir}") from None
 
 
 def results(handle: submitit.Job[Any], poll_s: float = 2.0) -> list[Any]:
@@ -347,6 +359,21 @@ def results(handle: submitit.Job[Any], poll_s: float = 2.0) -> list[Any]:
             if not still_queued(handle.job_id):
                 raise
             time.sleep(poll_s)
+
+
+def ended_state(job_id: str) -> str:
+    """The state sacct records for the job, and for a lost node which of its nodes Slurm now
+    reports down or silent: 'NODE_FAIL; down now: node2 (down*)'."""
+    import subprocess
+
+    from workbench.launch.node_loss import silent_nodes
+
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,NodeList"],
+                         capture_output=True, text=True, timeout=30, check=False).stdout
+    last = (out.strip().splitlines() or ["|"])[-1]
+    state, _, nodes = last.partition("|")
+    bad = silent_nodes(nodes) if nodes and state.startswith("NODE_FAIL") else []
+    return f"{state}; down now: {', '.join(bad)}" if bad else f"{state} on {nodes}"
 
 
 def still_queued(job_id: str) -> bool:
