@@ -64,3 +64,25 @@ def test_rank_zero_publishes_a_free_port_that_every_rank_reads(tmp_path, monkeyp
         s.bind(("", port))  # still free for rank 0's store to listen on
     with pytest.raises(RuntimeError, match="rank 2: rank 0 published no rendezvous port"):
         rendezvous_port(2, tmp_path / "never.port", wait_s=0.3)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nodes", "0"], "--nodes must be a whole number >= 1, not '0'"),
+    (["--nodes", "two"], "--nodes must be a whole number >= 1, not 'two'"),
+    (["--nodes", "65"], "--nodes must be at most 64, not 65"),
+    (["--link-mbit", "fast"], "--link-mbit must be a number of Mbit/s (0: unlimited), not 'fast'"),
+    (["--node", "2"], "unknown argument '--node' (valid: --nodes N, --link-mbit R)"),
+])
+def test_the_local_cluster_refuses_a_bad_shape_with_one_line_before_touching_anything(
+        args, says, tmp_path):
+    """Checked before any package, daemon or namespace is touched (no root needed)."""
+    import subprocess
+
+    from conftest import REPO
+
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "start-local-cluster.sh"), *args],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "SLURM_LOCAL_DIR": str(tmp_path)})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == \
+        [f"start-local-cluster.sh: {says}"], proc.stderr
+    assert not any(tmp_path.iterdir())
