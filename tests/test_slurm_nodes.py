@@ -199,3 +199,34 @@ def test_a_node_lost_under_no_requeue_fails_with_one_line_and_resumes(workdir):
     run = only_run()
     assert run.info.status == "FINISHED"
     assert [s for s, _ in metric_series(run.info.run_id, "loss")] == list(range(24))
+
+
+def test_a_sweep_trial_that_loses_its_node_is_requeued_not_failed(workdir):
+    """A detached sweep's array task across both nodes loses node2 after its first checkpoint:
+    sacct shows the dead attempt (NODE_FAIL) while Slurm has queued the task again, and
+    `sweep collect --wait` waits for it instead of recording a failed trial; the trial's run
+    ends with every step recorded once."""
+    import json
+
+    name = "lost_node_sweep"
+    args = ["+sweep=seeds", "sweep.space.train.seed=[1]", "sweep.n_trials=1",
+            f"sweep.name={name}", "sweep.detach=true", "launcher=slurm", "launcher.nodes=2",
+            "launcher.tasks_per_node=1", *LOSS_RUN]
+    proc = cli("workbench.run", args, workdir, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    trials = workdir / f"sweeps/{name}/trials.json"
+    run_id = next(iter(json.loads(trials.read_text()).values()))["run_id"]
+    client = MlflowClient()
+    _wait(lambda: len(client.get_metric_history(run_id, "loss")) >= 11, 300,
+          "the trial to pass its first checkpoint (step 8)")
+    nodes_sh("lose", "node2")
+    _wait(lambda: node_states().get("node2", "").startswith("down"), 120, "node2 DOWN")
+    nodes_sh("start", "node2")
+    done = cli("workbench.sweep", ["collect", name, "--wait"], workdir, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trial = next(iter(json.loads(trials.read_text()).values()))
+    assert trial["status"] == "complete", trial
+    assert [s for s, _ in metric_series(run_id, "loss")] == list(range(24))
+    assert int(client.get_run(run_id).data.tags["slurm.restart_count"]) >= 1

@@ -380,6 +380,6 @@ def still_queued(job_id: str) -> bool:
     """Is the job pending, running or requeued in Slurm's queue (not ended)?"""
     import subprocess
 
-    out = subprocess.run(["squeue", "-h", "-j", job_id.split("_")[0], "-o", "%T"],
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"],
                          capture_output=True, text=True, timeout=30, check=False).stdout
     return any(state.strip() for state in out.splitlines())

@@ -23,12 +23,16 @@ from workbench.sweep.state import TrialRecord
 # sacct states after which a Slurm job will not run again (REQUEUED/PENDING are not final).
 SLURM_FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED")
+# ... except when Slurm requeued the job: sacct then shows the attempt that died while the job
+# waits in the queue again (a lost node, launch/node_loss; a preemption with PreemptMode=REQUEUE)
+MAYBE_REQUEUED = ("NODE_FAIL", "PREEMPTED")
 
 
 class Backend(Protocol):
     def submit(self, records: Sequence[TrialRecord], jobs: Sequence[Job]) -> list[str]: ...
     def ended(self, records: Sequence[TrialRecord]) -> dict[int, str]: ...
     def wait_slots(self) -> int: ...
+    def requeued(self, record: TrialRecord) -> bool: ...
 
 
 class Starts(Protocol):
@@ -62,11 +66,22 @@ class SlurmBackend:
         for line in out.stdout.splitlines():
             job_id, _, state = line.partition("|")
             states[job_id] = state.split()[0] if state else ""
+        from workbench.launch.slurm import still_queued
+
         return {r.number: states[r.job_id] for r in records
-                if states.get(r.job_id, "") in SLURM_FINAL}
+                if states.get(r.job_id, "") in SLURM_FINAL
+                and not (states[r.job_id] in MAYBE_REQUEUED and still_queued(r.job_id))}
 
     def wait_slots(self) -> int:
         return 1 << 30  # Slurm queues the whole array; the driver never throttles it
+
+    def requeued(self, record: TrialRecord) -> bool:
+        """Is the trial's job in Slurm's queue again though its run was closed FAILED? A rank
+        whose peer was lost with its node closes the run before Slurm requeues the job; the
+        next attempt resumes that same run (launch/node_loss)."""
+        from workbench.launch.slurm import still_queued
+
+        return bool(record.job_id) and still_queued(record.job_id)
 
 
 class ProcessBackend:
@@ -101,6 +116,9 @@ class ProcessBackend:
     def wait_slots(self) -> int:
         running = sum(1 for p in self._procs.values() if p.poll() is None)
         return max(0, self.parallelism - running)
+
+    def requeued(self, record: TrialRecord) -> bool:
+        return False  # local processes are never started again by anyone but the driver
 
 
 def _pid_alive(job_id: str) -> bool:

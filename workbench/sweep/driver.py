@@ -210,6 +210,9 @@ def poll(sw: Sweep) -> int:
         elif r.number in ended and ended[r.number] == "gone" and r.attempts < MAX_ATTEMPTS:
             sw.state.update(r, status="prepared")  # resubmit: it resumes its own checkpoint
             continue
+        elif status in ("FAILED", "KILLED") and r.number not in ended \
+                and sw.backend.requeued(r):
+            continue  # Slurm queued it again (a lost node): the next attempt resumes the run
         elif status in ("FAILED", "KILLED") or r.number in ended:
             fail(sw, r, f"run {status.lower()}, job {r.job_id} {ended.get(r.number, '')}".strip())
         else:
