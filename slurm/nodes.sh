@@ -10,6 +10,8 @@
 #   nodes.sh start NODE      start NODE's slurmd inside its namespace (needs SLURM_CONF)
 #   nodes.sh lose NODE       the node dies: SIGKILL every process in its namespace (its slurmd,
 #                            slurmstepd, the job's ranks); the network stays, so `start` revives it
+#   nodes.sh cut NODE        the node's link goes down (its processes run on, unreachable: a
+#                            switch port or cable lost); `nodes.sh join NODE` brings it back
 #   nodes.sh down            kill every node's processes and remove the namespaces and the bridge
 #   nodes.sh pids NODE       the processes running on NODE
 #
@@ -93,6 +95,11 @@ lose() {
   log "$1 lost: every process in its namespace killed"
 }
 
+link() {  # link NODE up|down: the node's port on the bridge
+  ip link set "wbsn${1#node}" "$2"
+  log "$1: link $2"
+}
+
 down() {
   local ns k
   for ns in $(our_namespaces); do
@@ -112,6 +119,9 @@ case "${1:-}" in
   start) start "${2:?nodes.sh start NODE}" ;;
   lose) lose "${2:?nodes.sh lose NODE}" ;;
   pids) pids "${2:?nodes.sh pids NODE}" ;;
+  cut) link "${2:?nodes.sh cut NODE}" down ;;
+  join) link "${2:?nodes.sh join NODE}" up ;;
   down) down ;;
-  *) echo "usage: nodes.sh up N [MBIT] | start NODE | lose NODE | pids NODE | down" >&2; exit 2 ;;
+  *) echo "usage: nodes.sh up N [MBIT] | start NODE | lose NODE | cut NODE | join NODE | pids NODE | down" >&2
+     exit 2 ;;
 esac

@@ -230,3 +230,36 @@ def test_a_sweep_trial_that_loses_its_node_is_requeued_not_failed(workdir):
     assert trial["status"] == "complete", trial
     assert [s for s, _ in metric_series(run_id, "loss")] == list(range(24))
     assert int(client.get_run(run_id).data.tags["slurm.restart_count"]) >= 1
+
+
+def test_a_node_cut_off_the_network_mid_run_is_requeued_and_resumes_bitwise(workdir):
+    """node2's link goes down (its processes run on, unreachable): the ranks block in their
+    collective instead of seeing a reset, Slurm calls the node DOWN and requeues the job; the
+    link comes back, Slurm ends the old attempt's processes on node2, and the job resumes from
+    its checkpoint with every step recorded once and the uninterrupted run's losses."""
+    from mlflow.tracking import MlflowClient
+
+    from workbench.compose import compose
+    from workbench.launch.slurm import SlurmLauncher, results
+    from workbench.submit import prepare_job
+
+    launcher = ["launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1"]
+    jobs = [prepare_job(compose([*LOSS_RUN, *launcher, f"train.run_dir={workdir / name}"]),
+                        LOSS_RUN, 2, {"test": name}) for name in ("cut", "uninterrupted")]
+    slurm = SlurmLauncher(compose(launcher).launcher)
+    handle = slurm.submit(jobs[0])
+    client = MlflowClient()
+    _wait(lambda: len(client.get_metric_history(jobs[0].run_id, "loss")) >= 11, 300,
+          "the run to pass its first checkpoint (step 8)")
+    nodes_sh("cut", "node2")
+    try:
+        _wait(lambda: node_states().get("node2", "").startswith("down"), 120,
+              "Slurm to call node2 DOWN")
+    finally:
+        nodes_sh("join", "node2")
+    results(handle)
+    series = metric_series(jobs[0].run_id, "loss")
+    assert [s for s, _ in series] == list(range(24)), series
+    assert client.get_run(jobs[0].run_id).info.status == "FINISHED"
+    results(slurm.submit(jobs[1]))
+    assert [v for _, v in series] == [v for _, v in metric_series(jobs[1].run_id, "loss")]
