@@ -37,10 +37,13 @@ node_lines() {  # node_lines N: every node's address and name (the head's /etc/h
 }
 
 set_head_hosts() {  # rewrite /etc/hosts in place (it may be a bind mount: no rename)
+  # only when it changes: a rewrite truncates the file first, and a process resolving a name
+  # at that instant (a local run's rendezvous, while the idempotent start runs again) finds none
   local keep
   keep=$(grep -v -- "$MARK" /etc/hosts || true)
   { printf '%s\n' "$keep"; [ -z "${1:-}" ] || printf '%s\n' "$1"; } > /etc/hosts.wbslurm
-  cat /etc/hosts.wbslurm > /etc/hosts && rm -f /etc/hosts.wbslurm
+  if ! cmp -s /etc/hosts.wbslurm /etc/hosts; then cat /etc/hosts.wbslurm > /etc/hosts; fi
+  rm -f /etc/hosts.wbslurm
 }
 
 up() {

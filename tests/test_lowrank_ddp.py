@@ -20,6 +20,17 @@ SMALL = ["model.n_layers=4", "model.hidden=64", "model.ffn_hidden=256", "model.s
          "lowrank.powersgd_start_iter=5"]
 
 
+def _logs(failed: dict) -> str:
+    """The failed trials' own logs, so a failure in CI says what the ranks printed."""
+    from pathlib import Path
+
+    out = []
+    for _, run_dir in failed.values():
+        for log in sorted(Path(run_dir).glob("*.log")) + sorted(Path(run_dir).glob("*/*.log")):
+            out.append(f"--- {log}\n{log.read_text(errors='replace')[-3000:]}")
+    return "\n".join(out)
+
+
 def test_lowrank_sweep_on_two_ddp_ranks(workdir, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -30,7 +41,10 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{clone / 'mlflow.db'}")
     sweep = clone / "sweeps" / "lowrank_vs_fullrank"
     trials = json.loads((sweep / "trials.json").read_text())
-    assert sorted(t["status"] for t in trials.values()) == ["complete"] * 4
+    failed = {n: (t.get("reason"), t["run_dir"]) for n, t in trials.items()
+              if t["status"] != "complete"}
+    assert not failed, f"{failed}\n{proc.stderr[-4000:]}\n{_logs(failed)}"
+    assert len(trials) == 4
     runs = {t["params"]["lowrank.mode"]: t for t in trials.values()}
     c = MlflowClient()
 
