@@ -320,7 +320,7 @@ def main(argv: List[str]) -> int:
     keep = ("name", "world", "split", "overrides", "measured_s")
     (root / "measured.json").write_text(json.dumps(
         {"rows": [{k: r[k] for k in keep} for r in rows], "default_run": default,
-         "rate_mbit": args.rate_mbit, "steps": steps}))
+         "rate_mbit": args.rate_mbit, "steps": steps, "quick": args.quick}))
     print(f"profiles and measurements kept in {root} (--reuse {root})", file=sys.stderr)
     return finish(rows, default, args)
 
@@ -330,6 +330,8 @@ def reuse(root: Path, args: argparse.Namespace) -> int:
     os.environ["WORKBENCH_CONF"] = str(root / "conf")
     data = json.loads((root / "measured.json").read_text())
     rows = data["rows"]
+    held_out = any(row["split"] == "held-out" for row in rows)
+    args.quick = args.quick or data.get("quick", not held_out)  # a smoke test holds no verdict
     for row in rows:
         n = 2 if row["world"] == "link" else int(row["world"])
         cfg = compose(base_overrides(data["steps"], n) + row["overrides"])
