@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +230,42 @@ def test_profile_refuses_an_existing_file_and_a_bad_name(workdir):
         proc = cli("workbench.profile", args, workdir)
         assert proc.returncode == 2 and expect in proc.stderr, proc.stderr
         assert time.monotonic() - t0 < 60  # refused before anything is measured
+
+
+def test_a_composed_probe_adds_what_composing_costs_beyond_its_kinds(workdir):
+    """Single kinds probed at exactly their price (no residual) and DP x TP probed 2 ms a layer
+    and 1 ms a micro-batch above it: a DP x TP layout is priced that much more, per layer and
+    micro-batch, and layouts the composed probe does not describe are priced as before."""
+    from workbench.plan.cost.engine_residuals import PROBES, STEP_PARTS
+    _write_profile(workdir, "bare", world=4)
+    cfg = compose(["cluster=bare"])
+    table: dict = {k: [] for k in ("kind", "degree", "busy", "layers", "micro_batch", "tokens",
+                                   "step_s")}
+    for kind, degree in (("plain", 1), ("tp", 2), ("ddp", 2), ("ddp_tp", 4)):
+        for layers in (1, 3):
+            for mb in (1, 4):
+                est = estimate(replace(cfg.model, n_layers=layers), cfg.cluster, cfg.train,
+                               replace(PROBES[kind](degree), micro_batch=mb))
+                step = sum(est.time_s[k] for k in STEP_PARTS)
+                step += layers * 2e-3 + 1e-3 if kind == "ddp_tp" else 0.0
+                for key, v in zip(table, (kind, degree, degree, layers, mb,
+                                          mb * cfg.model.seq_len, step)):
+                    table[key].append(v)
+    path = _write_profile(workdir, "probed", world=4)
+    data = yaml.safe_load(path.read_text())
+    data["profile"]["probes"] = [{"model": "gpt_tiny", "shape": block_key(model_shape(cfg.model)),
+                                  **table}]
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    probed = compose(["cluster=probed"]).cluster
+
+    def step_s(cluster, **layout) -> float:
+        return estimate(cfg.model, cluster, cfg.train, Layout(**layout)).step_time_s
+
+    composed = dict(dp_replicate=2, tp=2, micro_batch=4)
+    assert math.isclose(step_s(probed, **composed) - step_s(cfg.cluster, **composed),
+                        cfg.model.n_layers * 2e-3 + 1e-3, rel_tol=1e-6)
+    for other in (dict(dp_replicate=2, micro_batch=4), dict(tp=2, micro_batch=4),
+                  dict(dp_replicate=2, tp=2, pp=2, micro_batch=2, grad_accum=2),
+                  dict(dp_shard=2, tp=2, micro_batch=4)):  # fsdp x tp: not probed here
+        assert math.isclose(step_s(probed, **other), step_s(cfg.cluster, **other),
+                            rel_tol=1e-9), other

@@ -12,7 +12,9 @@ Each degree k is probed by k ranks of the job in a process group of their own (t
 beyond k wait), so that as many ranks compute as a run of k ranks would; on a CPU, where ranks
 share a host's cores, it is probed again with every rank of the job busy (world/k groups of k
 at once), as a larger layout runs its k-rank groups side by side: how much of the engine's cost
-grows when the cores are shared is measured, not assumed.
+grows when the cores are shared is measured, not assumed. From degree 4 two kinds are also
+probed composed (replication or sharding over 2 beside TP, CP or sharding over the rest): the
+engine then runs FSDP2 over the other kind's DTensors, a cost neither single probe has.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ def kinds(degree: int, model: ModelConfig) -> Dict[str, Layout]:
         out["tp_sp"] = Layout(tp=degree, sequence_parallel=True)
     if model.seq_len % (2 * degree) == 0:
         out["cp"] = Layout(cp=degree)
+    half = degree // 2
+    if degree >= 4 and degree % 2 == 0:  # two kinds composed: FSDP2 over the other's DTensors
+        if model.n_heads % half == 0 and model.n_kv_heads % half == 0:
+            out["ddp_tp"] = Layout(dp_replicate=2, tp=half)
+            out["fsdp_tp"] = Layout(dp_shard=2, tp=half)
+        if model.seq_len % (2 * half) == 0:
+            out["ddp_cp"] = Layout(dp_replicate=2, cp=half)
+        out["hsdp"] = Layout(dp_replicate=2, dp_shard=half)
     return out
 
 

@@ -35,7 +35,13 @@ PROBES: Dict[str, Callable[[int], Layout]] = {
     "plain": lambda d: Layout(), "recompute": lambda d: Layout(recompute="full"),
     "ddp": lambda d: Layout(dp_replicate=d), "fsdp": lambda d: Layout(dp_shard=d),
     "tp": lambda d: Layout(tp=d), "tp_sp": lambda d: Layout(tp=d, sequence_parallel=True),
-    "cp": lambda d: Layout(cp=d)}
+    "cp": lambda d: Layout(cp=d),
+    # composed: replication (or sharding) over 2 next to another kind over the rest
+    "ddp_tp": lambda d: Layout(dp_replicate=2, tp=d // 2),
+    "fsdp_tp": lambda d: Layout(dp_shard=2, tp=d // 2),
+    "ddp_cp": lambda d: Layout(dp_replicate=2, cp=d // 2),
+    "hsdp": lambda d: Layout(dp_replicate=2, dp_shard=d // 2)}
+COMPOSED = ("ddp_tp", "fsdp_tp", "ddp_cp", "hsdp")
 # The priced parts of a probe's micro-batch: all a train_step runs (no optimizer, no bubble).
 STEP_PARTS = ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_tp_comm_s",
               "time_cp_comm_s", "time_pp_p2p_s", "time_dp_comm_exposed_s")
@@ -81,10 +87,14 @@ class Residuals:
         return out
 
 
-def residuals(measured: Measured, shape: ModelShape,
-              price: Callable[[ModelShape, Columns], Arrays]) -> Residuals | None:
+Price = Callable[[ModelShape, Columns, "Residuals | None"], Arrays]
+
+
+def residuals(measured: Measured, shape: ModelShape, price: Price) -> Residuals | None:
     """The residuals of the probes of `shape`'s block (None when it was not probed), priced
-    by `price` (the cost model without residuals); computed once per profile and shape."""
+    by `price` (the cost model without residuals, or with the single kinds' residuals given);
+    computed once per profile and shape. A composed probe's residual is what it took beyond
+    its price with the residuals of its single kinds in it: what composing them adds."""
     key = block_key(shape)
     rows = measured.probes.get(key)
     if rows is None:
@@ -94,22 +104,31 @@ def residuals(measured: Measured, shape: ModelShape,
         return cached
     layer: Dict[Key, Curve] = {}
     per_mb: Dict[Key, Curve] = {}
-    for (kind, degree, busy), by_layers in rows.items():
-        if kind not in PROBES or set(by_layers) != {1, 3}:
-            continue
-        mbs = sorted(set(by_layers[1]) & set(by_layers[3]))
-        cols = layout_columns([replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs])
-        cols["busy"] = np.full(len(mbs), float(busy))  # priced as it ran: beside the others
-        priced = {n: _step(price(replace(shape, n_layers=n), cols)) for n in (1, 3)}
-        measured_1 = np.array([by_layers[1][mb][1] for mb in mbs])
-        measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
-        tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
-        one_layer = ((measured_3 - measured_1) - (priced[3] - priced[1])) / 2
-        layer[(kind, degree, busy)] = _line(tokens, one_layer)
-        per_mb[(kind, degree, busy)] = _line(tokens, measured_1 - priced[1] - one_layer)
+    for composed in (False, True):
+        single = Residuals(dict(layer), dict(per_mb), measured.cores) if composed else None
+        for (kind, degree, busy), by_layers in rows.items():
+            if kind not in PROBES or set(by_layers) != {1, 3} or (kind in COMPOSED) != composed:
+                continue
+            one_layer, mb_curve = _probe_residual(shape, kind, degree, busy, by_layers,
+                                                  lambda s, c, r=single: price(s, c, r))
+            layer[(kind, degree, busy)], per_mb[(kind, degree, busy)] = one_layer, mb_curve
     out = Residuals(layer, per_mb, measured.cores)
     measured.cache[("residuals", key)] = out
     return out
+
+
+def _probe_residual(shape: ModelShape, kind: str, degree: int, busy: int, by_layers: dict,
+                    price: Callable[[ModelShape, Columns], Arrays]) -> tuple[Curve, Curve]:
+    """One probe's residual lines, per layer and per micro-batch."""
+    mbs = sorted(set(by_layers[1]) & set(by_layers[3]))
+    cols = layout_columns([replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs])
+    cols["busy"] = np.full(len(mbs), float(busy))  # priced as it ran: beside the others
+    priced = {n: _step(price(replace(shape, n_layers=n), cols)) for n in (1, 3)}
+    measured_1 = np.array([by_layers[1][mb][1] for mb in mbs])
+    measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
+    tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
+    one_layer = ((measured_3 - measured_1) - (priced[3] - priced[1])) / 2
+    return _line(tokens, one_layer), _line(tokens, measured_1 - priced[1] - one_layer)
 
 
 def _line(tokens: np.ndarray, seconds: np.ndarray) -> Curve:
@@ -158,7 +177,25 @@ def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:
     for kind in ("tp", "cp", "fsdp"):  # their per-micro-batch differences, once per micro-batch
         degree = cols[kind] if kind != "fsdp" else cols["dps"]
         out["micro_batch"] = out["micro_batch"] + delta("micro_batch", kind, degree, degree > 1)
+    # what composing two kinds adds (FSDP2 over the other kind's DTensors), per layer on the
+    # data-parallel term and per micro-batch, where a composed probe measured it
+    degree = cols["dpr"] * cols["dps"] * cols["tp"] * cols["cp"]
+    for kind, on in composed_rows(cols).items():
+        if on.any():
+            out["fsdp"] = out["fsdp"] + np.where(on, res.at("layer", kind, degree, tokens,
+                                                            busy), 0.0)
+            out["micro_batch"] = out["micro_batch"] + np.where(
+                on, res.at("micro_batch", kind, degree, tokens, busy), 0.0)
     return out
+
+
+def composed_rows(cols: Columns) -> Dict[str, np.ndarray]:
+    """Which rows each composed probe prices: exactly its two kinds, outside a pipeline (a
+    stage's data-parallel engine runs once a step there, and no probe composes a pipeline)."""
+    dpr, dps, tp, cp = (cols[k] > 1 for k in ("dpr", "dps", "tp", "cp"))
+    flat = cols["pp"] == 1
+    return {"ddp_tp": flat & dpr & tp & ~dps & ~cp, "fsdp_tp": flat & dps & tp & ~dpr & ~cp,
+            "ddp_cp": flat & dpr & cp & ~dps & ~tp, "hsdp": flat & dpr & dps & ~tp & ~cp}
 
 
 def with_residuals(comp: Compute, comm: Communication, extra: Arrays

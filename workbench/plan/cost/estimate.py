@@ -23,7 +23,12 @@ from workbench.plan.cost.columns import Columns, layout_columns
 from workbench.plan.cost.communication import communication
 from workbench.plan.cost.compute import compute
 from workbench.plan.cost.data_parallel import data_parallel
-from workbench.plan.cost.engine_residuals import residuals, row_residuals, with_residuals
+from workbench.plan.cost.engine_residuals import (
+    Residuals,
+    residuals,
+    row_residuals,
+    with_residuals,
+)
 from workbench.plan.cost.hardware import GpuSpec, hardware_for
 from workbench.plan.cost.measured_terms import (
     measured_communication,
@@ -48,13 +53,14 @@ MEM_TERMS = ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes",
 
 
 def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Software,
-             cols: Columns, engine: bool = True) -> Arrays:
+             cols: Columns, engine: bool | Residuals = True) -> Arrays:
     """All time and memory terms (TIME_TERMS, MEM_TERMS, their sums step_time_s and
     peak_mem_bytes, time_dp_comm_overlapped_s, stage_micro_batch_s, inflight_layers and the
     memory buffers' parts) for the layouts in `cols`, which has its grad_accum column `ga`.
     Times are per optimizer step on one GPU of the slowest pipeline stage; memory is per GPU of
     the fullest stage. On a profiled cluster `engine` adds the engine's own measured cost
-    (engine_residuals: what its probes took beyond their price, which is this without it)."""
+    (engine_residuals: what its probes took beyond their price, which is this without it, or
+    with the given residuals of the single kinds when a composed probe is priced)."""
     rank = per_rank(shape, gpu, coeff, software, cols)
     comp = compute(shape, coeff, software, rank)
     extra: Arrays = {}
@@ -63,8 +69,9 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
     else:  # a profiled cluster: the same terms, their durations measured on it
         comp = measured_compute(shape, software, rank, comp) or comp
         comm = measured_communication(shape, software, rank, gpu.gpus_per_node)
-        res = residuals(rank.measured, shape, lambda s, c: evaluate(
-            s, gpu, coeff, software, c, engine=False)) if engine else None
+        res = engine if isinstance(engine, Residuals) else residuals(
+            rank.measured, shape, lambda s, c, parts: evaluate(
+                s, gpu, coeff, software, c, engine=parts or False)) if engine else None
         if res is not None:
             extra = row_residuals(res, rank, world_of(cols))
             comp, comm = with_residuals(comp, comm, extra)
