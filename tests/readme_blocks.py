@@ -52,6 +52,7 @@ SMALL = {  # a benchmark's smallest arguments: the same code path, seconds inste
     "benchmarks/lowrank_sync_probe.py": ["--busy-ms", "0", "--iters", "20", "--rounds", "1",
                                         "--steps", "4"],
     "benchmarks/profile_accuracy.py": ["--quick"],  # quick profiles, a layout a world size
+    "benchmarks/profile_repeatability.py": ["--quick"],  # two quick profiles
     "benchmarks/slurm_link.py": ["--quick"],  # a quick profile of the link, 3 steps of ddp
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -269,3 +270,26 @@ def test_a_composed_probe_adds_what_composing_costs_beyond_its_kinds(workdir):
                   dict(dp_shard=2, tp=2, micro_batch=4)):  # fsdp x tp: not probed here
         assert math.isclose(step_s(probed, **other), step_s(cfg.cluster, **other),
                             rel_tol=1e-9), other
+
+
+def test_profile_repeatability_finds_the_section_two_profiles_differ_in(workdir):
+    """Two profiles alike but for GEMMs 10% slower in one: the spread is in the compute
+    section, none in the collectives; bad input is one line and exit 2."""
+    script = [sys.executable, str(REPO / "benchmarks" / "profile_repeatability.py")]
+    for i, slower in enumerate((1.0, 1.1)):
+        path = _write_profile(workdir / f"profile{i}", "bench_here")
+        data = yaml.safe_load(path.read_text())
+        gemm = data["profile"]["compute"][0]["gemm"][0]
+        gemm["fwd_s"] = [t * slower for t in gemm["fwd_s"]]
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    proc = subprocess.run([*script, "--reuse", str(workdir)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the comms section of another profile moves profile 0's prices by 0.0%" in proc.stdout
+    moved = re.search(r"the compute section .* by ([\d.]+)% \(median\)", proc.stdout)
+    assert moved and 0.5 < float(moved.group(1)) < 10.0, proc.stdout[-2000:]
+    for args, word in ((["--profiles", "1"], "--profiles"),
+                       (["--reuse", str(workdir / "nothing")], "--reuse")):
+        bad = subprocess.run([*script, *args], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and word in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
