@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-MICRO_BATCH = 2  # sequences per rank and step (lowrank_scaling.MICRO_BATCH)
+MICRO_BATCH = 2  # sequences per rank and step
 MODEL = ["model=gpt_small", "model.seq_len=128", "data.max_bytes=1000000", "tracking=none",
          "layout=ddp", "train.eval_every=100000", "train.eval_batches=1",
          "train.ckpt_every=100000", "train.warmup_steps=2"]
@@ -26,14 +26,13 @@ def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
             p = out["points"][f"{m}/{n}"]
             pr = _prediction(out, model, m, n, rate_mbit, p.get("free_cores", out["cores"]))
             tok = MICRO_BATCH * n * model.seq_len
+            oos = {}
             smaller = [w for w in worlds if 1 < w < n]
-            if n > 2 and 2 in smaller:  # out of sample: the cores 2 ranks had, not n's
+            if 2 in smaller:  # out of sample: the cores the largest smaller run had, not n's
                 below = out["points"][f"{m}/{max(smaller)}"]
-                oos = _prediction(out, model, m, n, rate_mbit,
-                                  below.get("free_cores", out["cores"]))
-                p = {**p, "oos_pred_step_s": oos.step_s,
-                     "oos_pred_tokens_per_s": tok / oos.step_s,
-                     "oos_error_pct": 100 * (p["step_s"] / oos.step_s - 1)}
+                step_s = _prediction(out, model, m, n, rate_mbit,
+                                     below.get("free_cores", out["cores"])).step_s
+                oos = {"oos_pred_step_s": step_s, "oos_pred_tokens_per_s": tok / step_s}
             rows.append({"mode": m, "world": n, "step_s": p["step_s"],
                          "collective_s": out.get("collective_s", {}).get(str(n)),
                          "hook_s": out.get("powersgd_hook_s", 0.0),
@@ -44,12 +43,13 @@ def predict_all(out: Dict[str, Any], modes: List[str], worlds: List[int],
                          "collectives": p.get("collectives", 0.0),
                          "pred_collectives": collectives(pr.payload_bytes, kind(m))
                          if n > 1 else 0,
-                         "free_cores": p.get("free_cores", out["cores"]),
-                         **{k: v for k, v in p.items() if k.startswith("oos_")}})
+                         "free_cores": p.get("free_cores", out["cores"]), **oos})
     one = {r["mode"]: r["tokens_per_s"] for r in rows if r["world"] == 1}
     for r in rows:
         r["efficiency"] = r["tokens_per_s"] / (r["world"] * one[r["mode"]])
-        r["error_pct"] = 100 * (r["pred_tokens_per_s"] / r["tokens_per_s"] - 1)
+        for pred, err in (("pred", "error"), ("oos_pred", "oos_error")):
+            if f"{pred}_tokens_per_s" in r:
+                r[f"{err}_pct"] = 100 * (r[f"{pred}_tokens_per_s"] / r["tokens_per_s"] - 1)
     return rows
 
 

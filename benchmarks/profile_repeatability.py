@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -111,8 +112,6 @@ def main(argv: List[str]) -> int:
     ap.add_argument("--price", default="", help=argparse.SUPPRESS)  # one profile, in a child
     args = ap.parse_args(argv)
     if args.price:
-        import os
-
         os.environ["WORKBENCH_CONF"] = args.price
         print(json.dumps(_price_here()))
         return 0

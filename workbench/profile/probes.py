@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from workbench.config import ModelConfig, RunConfig
 from workbench.layout import Layout
+from workbench.plan.cost.engine_residuals import COMPOSED, PROBES
 from workbench.train.engine.mesh_engine import make_engine
 from workbench.train.model import build
 from workbench.train.parallel import comm
@@ -40,24 +41,20 @@ LAYERS = (1, 3)  # the probed models' layer counts: their difference is two laye
 
 
 def kinds(degree: int, model: ModelConfig) -> Dict[str, Layout]:
-    """The probed layouts of one degree: one kind of parallelism each (a layout's micro-batch
-    is set per probe)."""
-    if degree == 1:
-        return {"plain": Layout(), "recompute": Layout(recompute="full")}
-    out = {"ddp": Layout(dp_replicate=degree), "fsdp": Layout(dp_shard=degree)}
-    if model.n_heads % degree == 0 and model.n_kv_heads % degree == 0:
-        out["tp"] = Layout(tp=degree)
-        out["tp_sp"] = Layout(tp=degree, sequence_parallel=True)
-    if model.seq_len % (2 * degree) == 0:
-        out["cp"] = Layout(cp=degree)
-    half = degree // 2
-    if degree >= 4 and degree % 2 == 0:  # two kinds composed: FSDP2 over the other's DTensors
-        if model.n_heads % half == 0 and model.n_kv_heads % half == 0:
-            out["ddp_tp"] = Layout(dp_replicate=2, tp=half)
-            out["fsdp_tp"] = Layout(dp_shard=2, tp=half)
-        if model.seq_len % (2 * half) == 0:
-            out["ddp_cp"] = Layout(dp_replicate=2, cp=half)
-        out["hsdp"] = Layout(dp_replicate=2, dp_shard=half)
+    """The probed layouts of one degree, from the cost model's table of probe kinds (PROBES,
+    which prices the same layouts): at degree 1 the plain and recomputed model, above it each
+    kind of parallelism alone, and from degree 4 two composed; those the model's heads and
+    sequence divide (a layout's micro-batch is set per probe)."""
+    out = {}
+    for name, at in PROBES.items():
+        layout = at(degree)
+        if (degree == 1) != (name in ("plain", "recompute")) or layout.world_size != degree \
+                or (name in COMPOSED and degree < 4):
+            continue
+        if model.n_heads % layout.tp or model.n_kv_heads % layout.tp \
+                or model.seq_len % (2 * layout.cp):
+            continue
+        out[name] = layout
     return out
 
 

@@ -69,9 +69,12 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
     else:  # a profiled cluster: the same terms, their durations measured on it
         comp = measured_compute(shape, software, rank, comp) or comp
         comm = measured_communication(shape, software, rank, gpu.gpus_per_node)
-        res = engine if isinstance(engine, Residuals) else residuals(
-            rank.measured, shape, lambda s, c, parts: evaluate(
-                s, gpu, coeff, software, c, engine=parts or False)) if engine else None
+        res = None
+        if isinstance(engine, Residuals):  # the single kinds', pricing a composed probe
+            res = engine
+        elif engine:
+            res = residuals(rank.measured, shape, lambda s, c, parts: evaluate(
+                s, gpu, coeff, software, c, engine=parts or False))
         if res is not None:
             extra = row_residuals(res, rank, world_of(cols))
             comp, comm = with_residuals(comp, comm, extra)
