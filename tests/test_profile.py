@@ -272,6 +272,50 @@ def test_a_composed_probe_adds_what_composing_costs_beyond_its_kinds(workdir):
                             rel_tol=1e-9), other
 
 
+def test_a_probe_on_a_slower_machine_is_priced_at_the_speed_its_reference_measured(workdir):
+    """Probes timed while the machine ran 1.5x slower than while its tables were timed (their
+    compute 1.5x its price, their reference block 1.5x the table's): the engine's cost they
+    carry is none, and a layout is priced as from probes at exactly their price; the same
+    probes without their reference would put half the priced compute into the engine."""
+    from workbench.plan.cost.engine_residuals import COMPUTE_PARTS, PROBES, STEP_PARTS
+    _write_profile(workdir, "bare", world=2)
+    cfg = compose(["cluster=bare"])
+    key = block_key(model_shape(cfg.model))
+    block = Measured.of(cfg.cluster.profile).level(2).blocks[(key, "fp32")]
+    cols = ("kind", "degree", "busy", "layers", "micro_batch", "tokens", "step_s", "ref_s")
+    table: dict = {k: [] for k in cols}
+    for kind, degree in (("plain", 1), ("tp", 2), ("ddp", 2)):
+        tp = np.array([float(PROBES[kind](degree).tp)])
+        for layers in (1, 3):
+            for mb in (1, 4):
+                tokens = mb * cfg.model.seq_len
+                est = estimate(replace(cfg.model, n_layers=layers), cfg.cluster, cfg.train,
+                               replace(PROBES[kind](degree), micro_batch=mb))
+                step = sum(est.time_s[k] * (1.5 if k in COMPUTE_PARTS else 1.0)
+                           for k in STEP_PARTS)
+                ref = 1.5 * float(sum(block.seconds(p, np.array([tokens]), tp)[0]
+                                      for p in (1, 2)))
+                for name, v in zip(cols, (kind, degree, degree, layers, mb, tokens, step, ref)):
+                    table[name].append(v)
+
+    def probed(name: str, columns: tuple) -> object:
+        path = _write_profile(workdir, name, world=2)
+        data = yaml.safe_load(path.read_text())
+        data["profile"]["probes"] = [{"model": "gpt_tiny", "shape": key, "dtype": "fp32",
+                                      **{c: table[c] for c in columns}}]
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return compose([f"cluster={name}"]).cluster
+
+    with_ref, without = probed("with_ref", cols), probed("without_ref", cols[:-1])
+    for layout in (dict(micro_batch=4), dict(dp_replicate=2, micro_batch=4),
+                   dict(tp=2, micro_batch=2, grad_accum=2)):
+        bare, fixed, off = (estimate(cfg.model, c, cfg.train, Layout(**layout)).step_time_s
+                            for c in (cfg.cluster, with_ref, without))
+        assert math.isclose(fixed, bare, rel_tol=1e-6), (layout, fixed, bare)
+        # one rank pays the plain probe's per-micro-batch residual only; two, per layer too
+        assert off > (1.01 if len(layout) == 1 else 1.3) * bare, (layout, off, bare)
+
+
 def test_profile_repeatability_finds_the_section_two_profiles_differ_in(workdir):
     """Two profiles alike but for GEMMs 10% slower in one: the spread is in the compute
     section, none in the collectives; bad input is one line and exit 2."""

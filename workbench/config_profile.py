@@ -117,6 +117,10 @@ class ProbeTable:
     micro_batch: List[int] = field(default_factory=list)
     tokens: List[int] = field(default_factory=list)  # per rank
     step_s: List[float] = field(default_factory=list)
+    # the rank's block at the row's tokens, forward and backward without the engine, timed
+    # beside the probe's steps (its speed at that moment); empty in profiles before it
+    ref_s: List[float] = field(default_factory=list)
+    dtype: str = ""  # what the probes computed in (the reference's block table)
 
 
 @dataclass

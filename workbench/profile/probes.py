@@ -29,9 +29,10 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from workbench.config import ModelConfig, RunConfig
+from workbench.config import ModelConfig, RunConfig, compute_dtype
 from workbench.layout import Layout
 from workbench.plan.cost.engine_residuals import COMPOSED, PROBES
+from workbench.profile.compute import block_ops
 from workbench.train.engine.mesh_engine import make_engine
 from workbench.train.model import build
 from workbench.train.parallel import comm
@@ -64,10 +65,10 @@ def _batch(model: ModelConfig, micro_batch: int, device: torch.device) -> list:
     return [(tokens[:, :-1].to(device), tokens[:, 1:].to(device))]
 
 
-def _timed(engine: Any, batch: list) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     dist.barrier()
     t0 = time.perf_counter()
-    engine.train_step(batch)
+    fn()
     return time.perf_counter() - t0
 
 
@@ -75,8 +76,10 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                  micro_batches: List[int], device: torch.device, show: Progress,
                  busy: int, reps: int = 7) -> List[Dict[str, Any]]:
     """Every kind of this degree, on models of 1 and 3 layers, at every micro-batch: the two
-    timed in turn, `reps` times each (so a slow spell of the machine falls on both), medians."""
+    and the reference timed in turn, `reps` times each (so a slow spell of the machine falls
+    on all three), medians."""
     rows = []
+    dtype = compute_dtype(cfg.train, cfg.cluster)
     for kind, layout in kinds(degree, model).items():
         show(f"engine probes: {model.name} {kind} x{degree}, {busy} ranks busy")
         engines = {}
@@ -84,23 +87,29 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
             one = replace(model, n_layers=layers)
             engines[layers] = (one, make_engine(build(one, cfg.train.seed), replace(cfg, model=one),
                                                 layout, rank, device, comm.ByteCounter()))
+        steps: Dict[Any, Callable[[], object]] = {}
         for mb in micro_batches:
-            batches = {n: _batch(one, mb, device) for n, (one, _) in engines.items()}
-            times: Dict[int, List[float]] = {n: [] for n in LAYERS}
-            for n in LAYERS:  # warm-up
-                engines[n][1].train_step(batches[n])
+            tokens = mb * model.seq_len // layout.cp
+            steps = {
+                n: (lambda e=engine, b=_batch(one, mb, device): e.train_step(b))
+                for n, (one, engine) in engines.items()}
+            steps["ref"] = block_ops(model, layout.tp, tokens, dtype, device)["both"]
+            times: Dict[Any, List[float]] = {n: [] for n in steps}
+            for fn in steps.values():  # warm-up
+                fn()
             for _ in range(reps):
-                for n in LAYERS:
-                    times[n].append(_timed(engines[n][1], batches[n]))
+                for n, fn in steps.items():
+                    times[n].append(_timed(fn))
             for n in LAYERS:
                 rows.append({"model": model.name, "kind": kind, "degree": degree,
-                             "busy": busy, "layers": n,
-                             "micro_batch": mb, "tokens": mb * model.seq_len // layout.cp,
-                             "step_s": statistics.median(times[n])})
+                             "busy": busy, "layers": n, "micro_batch": mb, "tokens": tokens,
+                             "step_s": statistics.median(times[n]),
+                             "ref_s": statistics.median(times["ref"]), "dtype": dtype})
         # gone while their process group lives: a parallelized model holds the group in
         # reference cycles, and one collected after the group's end (or at the interpreter's)
         # aborted a rank now and then ("terminate called without an active exception")
         engines.clear()
+        steps.clear()
         gc.collect()
     return rows
 

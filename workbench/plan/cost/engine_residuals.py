@@ -10,8 +10,11 @@ probe's residuals, and for each kind of parallelism it uses the difference its k
 made, at its degree (the nearest probed). On a CPU the engine's work runs on the cores the
 ranks share: each degree was probed alone and again with every rank of the profile busy, and a
 layout takes the probe whose count of busy ranks is nearest its own, scaled by the ratio of
-oversubscription only where a layout puts more ranks on the cores than any probe did. No run is
-fitted: the probes are part of the profile, measured before any run they price.
+oversubscription only where a layout puts more ranks on the cores than any probe did. A probe's
+compute is priced at the speed its reference block ran beside it (probes.py), so that a machine
+slower or faster while the probes ran than while the tables were timed is not taken for the
+engine's cost. No run is fitted: the probes are part of the profile, measured before any run
+they price.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ COMPOSED = ("ddp_tp", "fsdp_tp", "ddp_cp", "hsdp")
 # The priced parts of a probe's micro-batch: all a train_step runs (no optimizer, no bubble).
 STEP_PARTS = ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_tp_comm_s",
               "time_cp_comm_s", "time_pp_p2p_s", "time_dp_comm_exposed_s")
+COMPUTE_PARTS = ("time_fwd_s", "time_bwd_s", "time_recompute_s")
 Curve = Tuple[np.ndarray, np.ndarray]
 Key = Tuple[str, int, int]  # kind, degree, ranks busy while it was probed
 
@@ -109,7 +113,8 @@ def residuals(measured: Measured, shape: ModelShape, price: Price) -> Residuals 
         for (kind, degree, busy), by_layers in rows.items():
             if kind not in PROBES or set(by_layers) != {1, 3} or (kind in COMPOSED) != composed:
                 continue
-            one_layer, mb_curve = _probe_residual(shape, kind, degree, busy, by_layers,
+            speed = _speed(measured, shape, kind, degree, busy, by_layers)
+            one_layer, mb_curve = _probe_residual(shape, kind, degree, busy, by_layers, speed,
                                                   lambda s, c, r=single: price(s, c, r))
             layer[(kind, degree, busy)], per_mb[(kind, degree, busy)] = one_layer, mb_curve
     out = Residuals(layer, per_mb, measured.cores)
@@ -117,13 +122,31 @@ def residuals(measured: Measured, shape: ModelShape, price: Price) -> Residuals 
     return out
 
 
+def _speed(measured: Measured, shape: ModelShape, kind: str, degree: int, busy: int,
+           by_layers: dict) -> Dict[int, float]:
+    """Per micro-batch, how much longer the reference block took beside the probe's steps than
+    the compute table's same block (1 where the profile has no reference): the machine's speed
+    while the probe ran, against its speed while the tables were timed."""
+    key, dtype = block_key(shape), measured.probe_dtype.get(block_key(shape), "")
+    block = measured.level(busy).blocks.get((key, dtype))
+    out = {}
+    for mb, (tokens, _, ref_s) in by_layers[1].items():
+        parts = [block.seconds(p, np.array([tokens]), np.array([float(PROBES[kind](degree).tp)]))
+                 for p in (1, 2)] if block is not None and ref_s > 0 else [None]
+        out[mb] = 1.0 if any(p is None for p in parts) else ref_s / float(sum(parts)[0])
+    return out
+
+
 def _probe_residual(shape: ModelShape, kind: str, degree: int, busy: int, by_layers: dict,
-                    price: Callable[[ModelShape, Columns], Arrays]) -> tuple[Curve, Curve]:
-    """One probe's residual lines, per layer and per micro-batch."""
+                    speed: Dict[int, float], price: Callable[[ModelShape, Columns], Arrays]
+                    ) -> tuple[Curve, Curve]:
+    """One probe's residual lines, per layer and per micro-batch: its time beyond its price,
+    the price's compute at the speed its reference measured (`speed`, per micro-batch)."""
     mbs = sorted(set(by_layers[1]) & set(by_layers[3]))
     cols = layout_columns([replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs])
     cols["busy"] = np.full(len(mbs), float(busy))  # priced as it ran: beside the others
-    priced = {n: _step(price(replace(shape, n_layers=n), cols)) for n in (1, 3)}
+    at = np.array([speed.get(mb, 1.0) for mb in mbs])
+    priced = {n: _step(price(replace(shape, n_layers=n), cols), at) for n in (1, 3)}
     measured_1 = np.array([by_layers[1][mb][1] for mb in mbs])
     measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
     tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
@@ -141,8 +164,9 @@ def _line(tokens: np.ndarray, seconds: np.ndarray) -> Curve:
     return tokens, intercept + slope * tokens
 
 
-def _step(terms: Arrays) -> np.ndarray:
-    return sum(terms[k] for k in STEP_PARTS)
+def _step(terms: Arrays, speed: np.ndarray | float = 1.0) -> np.ndarray:
+    """A probe's priced micro-batch, its compute slowed by `speed`."""
+    return sum(terms[k] * (speed if k in COMPUTE_PARTS else 1.0) for k in STEP_PARTS)
 
 
 def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:

@@ -18,6 +18,8 @@ import numpy as np
 from workbench.config_profile import BlockTable, ClusterProfile, ComputeLevel, GemmTable
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+ProbeKey = Tuple[str, int, int]  # kind, degree, ranks busy
+ProbeRow = Tuple[float, float, float]  # tokens per rank, step s, reference s
 
 
 def loglog(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -143,9 +145,10 @@ class Measured:
         field(default_factory=dict)  # (kind, span) -> group -> ranks busy -> (bytes, s)
     fixed_bytes: float = 0.0  # memory a process holds before any model
     # engine probes by block shape: (kind, degree, ranks busy) -> layers -> micro-batch ->
-    # (tokens, s)
-    probes: Dict[str, Dict[Tuple[str, int, int], Dict[int, Dict[int, Tuple[float, float]]]]] = \
+    # (tokens, s, reference s: the block timed beside the probe, 0 where not)
+    probes: Dict[str, Dict[ProbeKey, Dict[int, Dict[int, ProbeRow]]]] = \
         field(default_factory=dict)
+    probe_dtype: Dict[str, str] = field(default_factory=dict)  # by block shape
     cores: int = 1  # of the host the profile ran on
     cache: Dict[Tuple[str, str], object] = field(default_factory=dict, compare=False)
 
@@ -157,21 +160,22 @@ class Measured:
             busy = int(c.ranks or meta.world)
             comms.setdefault((c.kind, c.span), {}).setdefault(int(c.group), {})[busy] = (
                 np.array(c.bytes, float), np.array(c.s, float))
-        probes: Dict[str, Dict[Tuple[str, int, int], Dict[int, Dict[int, Tuple[float, float]]]]] \
-            = {}
+        probes: Dict[str, Dict[ProbeKey, Dict[int, Dict[int, ProbeRow]]]] = {}
         for table in profile.probes:
             mine = probes.setdefault(table.shape, {})
             busy = table.busy or table.degree  # a profile before busy probes: the degree alone
-            for kind, degree, b, layers, mb, tok, s in zip(
+            ref = table.ref_s or [0.0] * len(table.kind)  # ... before the reference: none
+            for kind, degree, b, layers, mb, tok, s, r in zip(
                     table.kind, table.degree, busy, table.layers, table.micro_batch,
-                    table.tokens, table.step_s):
+                    table.tokens, table.step_s, ref):
                 mine.setdefault((kind, int(degree), int(b)), {}).setdefault(
-                    int(layers), {})[int(mb)] = (float(tok), float(s))
+                    int(layers), {})[int(mb)] = (float(tok), float(s), float(r))
         return cls(source=f"profile of {meta.host}, {meta.when}",
                    levels=tuple(sorted((Level.of(lv) for lv in profile.compute),
                                        key=lambda lv: lv.ranks)),
                    one_host=meta.hosts == 1 and meta.device_type == "cpu", comms=comms,
                    fixed_bytes=profile.memory.baseline_bytes, probes=probes,
+                   probe_dtype={t.shape: t.dtype for t in profile.probes if t.dtype},
                    cores=max(1, int(meta.cores_per_host or 1)))
 
     def level(self, ranks_per_host: int) -> Level:
