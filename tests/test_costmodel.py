@@ -224,29 +224,33 @@ def test_fp8_scaling_and_async_tp_order() -> None:
 
 
 def test_validate_reads_the_software_stack_from_the_row() -> None:
-    from workbench.plan.accuracy.published import _software
+    """A row's Software is its stack's description with the typed facts it sets."""
+    from workbench.plan.accuracy.published import row_software
 
-    z = _software("FP16", "ZeRO-3; model-parallel size 1", "ZeRO-3 (no model parallelism)")
+    def sw(stack: str, precision: str, **facts: str):
+        return row_software({"stack": stack, "precision": precision, **facts})
+
+    z = sw("deepspeed", "FP16")
     assert z.dp_stack == "deepspeed_zero3" and z.overlap_dp
-    assert _software("FP16", "PTD-P", "none (DDP)").dp_stack == "fsdp"
-    r = _software("FP8 rowwise", "FSDP32xTP8 + compile, async TP", "FSDP2 (full shard)")
+    assert sw("megatron_2021", "FP16").dp_stack == "fsdp"
+    r = sw("torchtitan", "FP8 rowwise", fp8_scaling="rowwise", compiled="true", async_tp="true")
     assert r.fp8_scaling == "rowwise" and r.async_tp and not r.overlap_tp and r.compiled
-    assert _software("FP8 linears", "Float8", "FSDP2").fp8_scaling == "tensorwise"
-    m = _software("BF16", "--tp-comm-overlap, --overlap-param-gather", "")
+    assert sw("torchtitan", "FP8 linears").fp8_scaling == "tensorwise"
+    m = sw("megatron", "BF16")
     assert m.overlap_tp and m.dist_optimizer and not m.async_tp and not m.eager
     # PyTorch FSDP without compile runs eager ops; torchao Float8 implies compile
-    e = _software("BF16", "1D FSDP2", "FSDP2")
+    e = sw("torchtitan", "BF16")
     assert e.eager and not e.compiled
-    f8 = _software("FP8 linears", "optimizations=Float8", "FSDP2")
+    f8 = sw("torchtitan", "FP8 linears")
     assert f8.compiled and not f8.eager
-    assert not _software("BF16", "FSDP+compile", "FSDP2").eager
+    assert not sw("torchtitan", "BF16", compiled="1").eager
 
 
 def test_eager_elementwise_costs_more_than_fused_and_sp_follows_tp_comm_overlap() -> None:
     from dataclasses import replace
 
     from workbench.plan.accuracy.predict import default_csv, predict_case, read_rows
-    from workbench.plan.accuracy.published import row_case
+    from workbench.plan.accuracy.published import row_case, row_software
 
     _, rows = read_rows(default_csv()) if default_csv().is_file() else (None, [])
     model = ModelConfig(name="m", family="llama", n_layers=4, hidden=1024, n_heads=8,
@@ -259,7 +263,7 @@ def test_eager_elementwise_costs_more_than_fused_and_sp_follows_tp_comm_overlap(
     comp = estimate(model, cl, TrainConfig(), lay, software=replace(Software(), compiled=True))
     assert comp.step_time_s < fused.step_time_s < eager.step_time_s
     for row in rows:
-        if "tp-comm-overlap" in row["notes"] and int(row["tp"]) > 1:
+        if row["tp"] and int(row["tp"]) > 1 and row_software(row).overlap_tp:
             case = row_case(row)
             assert case.layout.sequence_parallel
             assert predict_case(case).step_time_s > 0

@@ -1,4 +1,5 @@
-"""Software-stack facts the calibration rows state in their notes, and what each costs.
+"""Software-stack facts the calibration rows state (their stack and typed fact columns), and
+what each costs.
 
 The numbers checked are the formulas' own consequences (ratios that follow from counting
 collectives and buffers), so a change to a coefficient does not break them; a change to how a
@@ -17,7 +18,7 @@ from conftest import benchmark_module, published_layouts_csv
 from workbench.config import ModelConfig, TrainConfig
 from workbench.layout import Layout
 from workbench.plan.accuracy.predict import apply_facts, read_rows
-from workbench.plan.accuracy.published import _software, row_case, torchtitan_split
+from workbench.plan.accuracy.published import row_case, row_software, torchtitan_split
 from workbench.plan.cost.activations import activation_bytes_per_token
 from workbench.plan.cost.coefficients import coefficients
 from workbench.plan.cost.columns import layout_columns
@@ -33,9 +34,11 @@ PROJECT_CALIBRATION = Path(__file__).resolve().parents[1] / "benchmarks" / "cali
 # 128,000; the costs checked here do not depend on it)
 MODEL = ModelConfig(name="13b", family="llama", n_layers=8, hidden=5120, n_heads=40,
                     n_kv_heads=40, ffn_hidden=13824, vocab=32000, seq_len=2048)
-SCALING_NOTES = ("ZeRO-1 modelled as distributed optimizer (overlap-param-gather); "
-                 "dp-sync-in-step; separate-gate-up (SwiGLU gate and up are separate "
-                 "column-parallel linears); gathered-logits (LM head output all-gathered)")
+
+
+def _software(stack: str, precision: str = "BF16", **facts: str) -> Software:
+    """The Software a row of `stack` with these fact columns is scored with."""
+    return row_software({"stack": stack, "precision": precision, **facts})
 
 
 def _est(lay: Layout, sw: Software, n: int) -> Estimate:
@@ -44,12 +47,12 @@ def _est(lay: Layout, sw: Software, n: int) -> Estimate:
     return estimate(MODEL, cluster_for("A100-SXM-80GB", n), train, lay, software=sw)
 
 
-def test_scaling_codebase_facts_are_read_from_the_notes() -> None:
-    sw = _software("BF16", SCALING_NOTES, "ZeRO-1 (optimizer states sharded over dp)")
+def test_scaling_codebase_facts_are_its_stacks_defaults() -> None:
+    sw = _software("aleph_alpha_scaling")
     assert sw.zero1_allreduce and sw.dist_optimizer and not sw.overlap_dp
     assert sw.grad_reduce_bytes == 4.0  # allreduce_tensor_in_float32
     assert sw.tp_bwd_allreduces(gated_mlp=True) == 3 and sw.gathered_logits
-    plain = _software("BF16", "--overlap-param-gather", "")
+    plain = _software("megatron")
     assert not plain.zero1_allreduce and plain.tp_bwd_allreduces(gated_mlp=True) == 2
     assert not plain.gathered_logits and plain.overlap_dp
 
@@ -86,7 +89,7 @@ def test_whole_tensor_blocking_pipeline_sends_cost_tp_times_the_transfers(pp: in
     TP rank with blocking send/recv: 4 transfers on a middle stage, 2 where every stage is an
     end stage (pp 2). tp * transfers / 2 times the bytes on the critical path."""
     lay = Layout(dp_replicate=1, tp=4, pp=pp, micro_batch=1, grad_accum=4)
-    sw = _software("BF16", SCALING_NOTES, "ZeRO-1 (optimizer states sharded over dp)")
+    sw = _software("aleph_alpha_scaling")
     assert not sw.p2p_tp_split and sw.p2p_blocking
     split = _est(lay, Software(), 4 * pp).time_s["time_pp_p2p_s"]
     whole = _est(lay, Software(p2p_tp_split=False, p2p_blocking=True), 4 * pp
@@ -165,16 +168,15 @@ def test_nemo2407_rows_read_the_printed_batching_and_the_launcher_yaml() -> None
     assert not row_case(rows[("GPT3-175B", "512")]).software.overlap_tp  # its yaml: off
     assert row_case(rows[("LLAMA3-8B", "8")]).layout.cp == 2
 
-MEGATRON_NOTES = "DP/TP/PP comm overlap on (--overlap-grad-reduce, --overlap-param-gather)"
 
 
 def test_megatron_loss_moves_52_bytes_per_logit_where_the_generic_count_has_24() -> None:
     """Megatron-LM rows (and its 2021 FP16 rows) count the unfused vocab-parallel loss op by
     op; the step grows by exactly the extra bytes over HBM on every micro-batch."""
-    sw = _software("BF16", MEGATRON_NOTES)
+    sw = _software("megatron", loss_kernel="megatron_unfused")
     assert sw.loss_hbm_bytes_per_logit == 52.0
-    assert _software("FP16", "").loss_hbm_bytes_per_logit == 52.0
-    assert _software("BF16", "1D FSDP2", "FSDP2").loss_hbm_bytes_per_logit == 0.0
+    assert _software("megatron_2021", "FP16").loss_hbm_bytes_per_logit == 52.0
+    assert _software("torchtitan").loss_hbm_bytes_per_logit == 0.0
     lay = Layout(dp_replicate=2, micro_batch=1, grad_accum=3)
     base, megatron = (_est(lay, replace(sw, loss_hbm_bytes_per_logit=b), 2) for b in (0.0, 52.0))
     cluster = cluster_for("A100-SXM-80GB", 2)
@@ -190,7 +192,8 @@ def test_gpt_rows_untie_the_head_only_where_the_published_count_says_so() -> Non
     SC21's GPT-1.7B (24 x 2304, 51,200) is 1.65B tied, 1.77B untied; no count: tied."""
     row = {"model": "GPT-1.7B", "n_layers": "24", "hidden": "2048", "n_heads": "16",
            "vocab": "131072", "seq_len": "4096", "gpu_type": "H100 (80GB)", "n_gpus": "8",
-           "tp": "1", "pp": "1", "dp": "8", "precision": "BF16", "n_params": "1.7B"}
+           "tp": "1", "pp": "1", "dp": "8", "precision": "BF16", "n_params": "1.7B",
+           "stack": "megatron"}
     assert not row_case(row).model.tie_embeddings
     assert row_case({**row, "hidden": "2304", "vocab": "51200"}).model.tie_embeddings
     assert row_case({**row, "n_params": ""}).model.tie_embeddings
@@ -229,11 +232,11 @@ def test_an_rms_kernel_leaves_the_other_elementwise_ops_eager() -> None:
     """Aleph Alpha's RMS kernel replaces the norm only: SwiGLU (`silu(x) * gate`) and RoPE stay
     eager, so its rows pay the eager factor on the TP-split ops and not on the norms, and their
     forward lies between the fused stack's and the all-eager one's."""
-    rms = _software("BF16", SCALING_NOTES + "; kernel flash_attention2 + RMS kernel", "ZeRO-1")
-    no_kernel = _software("BF16", SCALING_NOTES + "; eager-elementwise", "ZeRO-1")
-    assert rms.eager and rms.norm_kernel
-    assert no_kernel.eager and not no_kernel.norm_kernel
-    assert not _software("BF16", "--overlap-param-gather", "").eager
+    rms = _software("aleph_alpha_scaling")
+    no_kernel = _software("aleph_alpha_scaling", norm_kernel="false")
+    assert rms.eager and rms.norm_kernel and not rms.unfused_norm
+    assert no_kernel.eager and not no_kernel.norm_kernel and no_kernel.unfused_norm
+    assert not _software("megatron").eager
     lay = Layout(dp_replicate=2, tp=4, micro_batch=1, grad_accum=2)
 
     def fwd(sw: Software) -> float:
@@ -249,27 +252,30 @@ TORCHTITAN_405B = {"source_group": "t", "model": "Llama3.1-405B", "n_layers": "1
                    "gpu_type": "H100 96GB HBM2e (500W, Grand Teton)", "n_gpus": "512",
                    "gpus_per_node": "8", "tp": "8", "pp": "8", "dp": "8",
                    "zero_or_fsdp": "FSDP2 (full shard)", "precision": "FP8 linears",
-                   "recompute": "full", "global_batch": "256",
+                   "recompute": "full", "global_batch": "256", "stack": "torchtitan",
+                   "compiled": "true", "async_tp": "true", "local_batch": "32",
                    "notes": "3D 1F1B; compile+Float8+AsyncTP; local batch 32"}
 
 
 def test_torchtitan_rows_take_torchtitans_pipeline_defaults_where_they_print_none() -> None:
     """torchtitan at its 2024-12 benchmark commit splits a rank's batch into pp micro-batches,
-    runs 2 stages a rank when interleaved, and splits 126 layers first/last-light; the global
-    batch of a row that prints only the local one is local x dp. A row that prints a value keeps
-    it, and a pipeline row of another stack still needs its global batch."""
+    splits 126 layers first/last-light over its stages (2 a rank when interleaved: the row's
+    virtual_stages); the global batch of a row that gives only the local one (local_batch) is
+    local x dp. A row that prints a value keeps it, and a pipeline row of another stack still
+    needs its global batch."""
     one = row_case(TORCHTITAN_405B).layout
     assert (one.micro_batch, one.grad_accum, one.pp_schedule) == (4, 8, "1f1b")
     assert one.stage_layers == (15, 16, 16, 16, 16, 16, 16, 15)
-    inter = row_case({**TORCHTITAN_405B, "notes": "3D Interleaved 1F1B; local batch 32"}).layout
+    inter = row_case({**TORCHTITAN_405B, "virtual_stages": "2"}).layout
     assert (inter.virtual_stages, inter.pp_schedule) == (2, "interleaved_1f1b")
     assert inter.stage_layers == (7,) + (8,) * 14 + (7,)
     cp = row_case({**TORCHTITAN_405B, "global_batch": "", "dp": "4", "cp_or_sp": "CP=2",
-                   "seq_len": "65536", "notes": "4D FSDP+TP+PP+CP, 1F1B; local batch 8"})
+                   "seq_len": "65536", "local_batch": "8"})
     assert (cp.train.global_batch, cp.layout.micro_batch, cp.layout.grad_accum) == (32, 1, 8)
     printed = row_case({**TORCHTITAN_405B, "micro_batch": "1", "virtual_stages": "1"}).layout
     assert (printed.micro_batch, printed.grad_accum) == (1, 32)
-    megatron = {**TORCHTITAN_405B, "zero_or_fsdp": "distributed optimizer", "global_batch": ""}
+    megatron = {**TORCHTITAN_405B, "stack": "megatron", "zero_or_fsdp": "distributed optimizer",
+                "global_batch": "", "local_batch": "", "precision": "BF16"}
     with pytest.raises(ValueError, match="global_batch"):
         row_case(megatron)
     for n, stages in ((126, 16), (126, 8), (80, 6), (10, 4), (32, 4)):
@@ -279,20 +285,20 @@ def test_torchtitan_rows_take_torchtitans_pipeline_defaults_where_they_print_non
 
 def test_found_facts_fill_only_what_a_shared_row_leaves_empty() -> None:
     """A fact found about a shared row (its fabric, from the run's own scripts) fills an empty
-    field and never overwrites a printed one; a "notes+" fact adds to the notes once; every
+    field and never overwrites a printed one, a typed stack fact as any other column; every
     shipped fact names a row it fills and its evidence."""
     key = {"source_group": "s", "model": "M", "gpu_type": "A100 80GB", "precision": "BF16"}
     fabric = {**key, "column": "interconnect", "value": "4x100Gb/s EFA per node",
               "evidence": "e"}
-    kernel = {**key, "column": "notes+", "value": "fused-rmsnorm", "evidence": "e"}
-    rows = [{**key, "interconnect": "", "notes": "1D FSDP2"},
-            {**key, "interconnect": "8x200Gb/s HDR per node", "notes": ""},
-            {**key, "model": "N", "interconnect": "", "notes": ""}]
+    kernel = {**key, "column": "norm_kernel", "value": "true", "evidence": "e"}
+    rows = [{**key, "interconnect": "", "norm_kernel": ""},
+            {**key, "interconnect": "8x200Gb/s HDR per node", "norm_kernel": "false"},
+            {**key, "model": "N", "interconnect": ""}]
     out, filled = apply_facts(rows, [fabric, kernel])
-    assert filled == 3 and out[0]["interconnect"] == fabric["value"]
-    assert out[0]["notes"] == "1D FSDP2; fused-rmsnorm" and out[1]["notes"] == "fused-rmsnorm"
+    assert filled == 2 and out[0]["interconnect"] == fabric["value"]
+    assert out[0]["norm_kernel"] == "true" and out[1]["norm_kernel"] == "false"
     assert out[1]["interconnect"] == "8x200Gb/s HDR per node" and out[2] == rows[2]
-    assert apply_facts(out, [kernel])[0][0]["notes"] == "1D FSDP2; fused-rmsnorm"
+    assert apply_facts(out, [kernel])[1] == 0
     assert rows[0]["interconnect"] == ""  # the caller's rows are not changed
     shared = published_layouts_csv()
     accuracy = benchmark_module("costmodel_accuracy")
@@ -303,7 +309,7 @@ def test_found_facts_fill_only_what_a_shared_row_leaves_empty() -> None:
         assert f["evidence"].strip()
     found = {r["model"] + r["precision"]: row_case(r)
              for r in apply_facts(published, facts)[0] if r["source_group"] == "torchtitan_old"}
-    # 4 x 100 Gb/s over 8 GPUs, as fabric.py reads it; the kernel and gather as _software does
+    # 4 x 100 Gb/s over 8 GPUs, as fabric.py reads it; the kernel and gather as typed facts
     assert found["Llama3-70BBF16"].cluster.inter_node_gbps == pytest.approx(6.25)
     assert found["Llama3-8BBF16"].software.norm_kernel
     assert found["Llama3.1-405BFP8 linears"].software.fsdp_fp8_gather
@@ -333,9 +339,8 @@ def test_fsdp_float8_all_gather_sends_the_block_linears_in_one_byte() -> None:
     bf16 = replace(base, precision="bf16")
     assert fsdp_seconds(replace(bf16, fsdp_fp8_gather=True)) == fsdp_seconds(bf16)
     assert gather_bytes(ms, base, 2.0) == (2.0, 2.0)
-    assert _software("FP8 linears", "FSDP + compile + Float8 (fsdp float8 all-gather)",
-                     "FSDP2").fsdp_fp8_gather
-    assert not _software("FP8 linears", "FSDP + compile + Float8", "FSDP2").fsdp_fp8_gather
+    assert _software("torchtitan", "FP8 linears", fsdp_fp8_gather="true").fsdp_fp8_gather
+    assert not _software("torchtitan", "FP8 linears").fsdp_fp8_gather
 
 
 def test_te_fp8_linears_keep_the_fp8_cast_of_their_inputs() -> None:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from workbench.config import ModelConfig
-from workbench.plan.accuracy.published import _software
+from workbench.plan.accuracy.published import row_software
 from workbench.plan.cost.activations import EAGER_SOFTMAX_SCORE_BYTES, activation_bytes_per_token
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
@@ -109,14 +109,17 @@ def test_16_bit_core_pays_autograds_copies_around_an_in_place_fill_of_a_view() -
     assert bwd / (b * n * s * s) == pytest.approx(28.0 + 1.0 / n)
 
 
-def test_stack_notes_select_the_eager_core_and_it_costs_by_softmax_dtype() -> None:
-    """`kernel torch` in a dp-sync-in-step stack's notes selects the eager core, `softmax-fp32`
-    its fp32 variant; a fused softmax or flash attention keeps the generic count. The fp32 core
+def test_a_rows_attention_kernel_selects_the_eager_core_and_it_costs_by_softmax_dtype() -> None:
+    """A row's `attention_kernel` torch_softmax16 selects the eager core, torch_softmax32 its
+    fp32 variant; a fused softmax or flash attention keeps the generic count. The fp32 core
     keeps three times the 16-bit one's score bytes."""
-    notes = "kernel torch (noflash); dp-sync-in-step; separate-gate-up"
-    assert _software("BF16", notes).eager_softmax_bytes == 2.0
-    assert _software("BF16", notes + "; softmax-fp32").eager_softmax_bytes == 4.0
-    assert _software("BF16", notes.replace("torch", "fused")).eager_softmax_bytes == 0.0
+    def softmax_bytes(kernel: str) -> float:
+        return row_software({"stack": "aleph_alpha_scaling", "precision": "BF16",
+                             "attention_kernel": kernel}).eager_softmax_bytes
+
+    assert softmax_bytes("torch_softmax16") == 2.0
+    assert softmax_bytes("torch_softmax32") == 4.0
+    assert softmax_bytes("fused_softmax") == softmax_bytes("flash2") == 0.0
     ms = model_shape(ModelConfig(name="13b", n_layers=40, hidden=5120, n_heads=40, n_kv_heads=40,
                                  ffn_hidden=13824, vocab=128000, seq_len=2048))
     tp, sp = np.array([1.0]), np.array([0.0])

@@ -81,10 +81,10 @@ def test_hagemann_rows_carry_the_codes_uniform_pipeline_split() -> None:
 
 
 def test_flash_attention_1_rows_run_the_attention_core_at_half_the_fa2_rate() -> None:
-    from workbench.plan.accuracy.published import _software
+    from workbench.plan.accuracy.published import row_software
 
-    v1 = _software("BF16", "kernel flash_attentionv1.0.8; dp-sync-in-step", "ZeRO-1")
-    v2 = _software("BF16", "kernel flash_attention2; dp-sync-in-step", "ZeRO-1")
+    v1, v2 = (row_software({"stack": "aleph_alpha_scaling", "attention_kernel": k})
+              for k in ("flash1", "flash2"))
     assert v1.flash_v1 and not v2.flash_v1
     lay = Layout(dp_replicate=1, tp=1, micro_batch=1, grad_accum=1)
     train = TrainConfig(global_batch=1, micro_batch=1, dtype="bf16")

@@ -54,15 +54,16 @@ def test_eager_norm_keeps_an_fp32_copy_unless_training_in_fp32() -> None:
     assert eager_norm_bytes_per_elem(4.0) == 8.0
 
 
-def test_published_stack_notes_set_the_unfused_facts() -> None:
-    """The row reader maps the Aleph Alpha stack's notes to these facts (and only those rows)."""
-    from workbench.plan.accuracy.published import _software
+def test_published_stacks_set_the_unfused_facts() -> None:
+    """The Aleph Alpha stack's description has these facts (and only its rows); without its
+    RMS kernel (norm_kernel false) its norm is eager ops too."""
+    from workbench.plan.accuracy.published import row_software
 
-    aa = _software("BF16", "dp-sync-in-step; separate-gate-up; eager-elementwise")
+    aa = row_software({"stack": "aleph_alpha_scaling", "norm_kernel": "false"})
     assert aa.unfused_swiglu and aa.attention_copies and aa.unfused_norm
-    kernel = _software("BF16", "dp-sync-in-step; separate-gate-up")
+    kernel = row_software({"stack": "aleph_alpha_scaling"})
     assert kernel.unfused_swiglu and not kernel.unfused_norm
-    titan = _software("BF16", "", "FSDP2")
+    titan = row_software({"stack": "torchtitan"})
     assert not (titan.unfused_swiglu or titan.attention_copies or titan.unfused_norm)
 
 

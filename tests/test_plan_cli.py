@@ -24,7 +24,7 @@ ROW = {"source": "t", "source_group": "t", "model": "m", "n_layers": "32", "hidd
        "cp_or_sp": "none", "virtual_stages": "", "micro_batch": "1", "global_batch": "8",
        "recompute": "full", "zero_or_fsdp": "FSDP2", "precision": "BF16",
        "metric": "tokens_per_sec_per_gpu", "value": "6000", "metric2": "", "value2": "",
-       "peak_mem_gib": "", "notes": ""}
+       "peak_mem_gib": "", "notes": "", "stack": "torchtitan"}
 
 
 def write_csv(path: Path, rows) -> Path:

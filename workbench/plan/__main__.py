@@ -6,8 +6,10 @@ inputs; `--out PATH`, `--top N`, `--world-size N`, `--optuna N` (also run an N-t
 search and report it), `--margin-gib G` (a layout fits when its predicted peak plus G GiB stays
 within HBM), `--tokens T` (each layout's days and GPU-hours for a budget of T tokens) and
 `--explain LAYOUT` (itemize one layout's peak memory and step time instead of ranking),
-`--stack NAME` (plan for this engine, Megatron-Core or torchtitan: workbench.plan.cost.stacks)
-and `--fp8` (FP8 linears on those stacks) are the command's own options.
+`--stack NAME` (plan for this engine, Megatron-Core, torchtitan, ...: the stacks the published
+rows are scored with, workbench.plan.cost.stacks), `--stack-fact KEY=VALUE` (where your run
+differs from that stack's defaults, as a row's fact column says it) and `--fp8` (FP8 linears on
+the stacks that have them) are the command's own options.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from workbench.plan.cost.columns import row_keys
 from workbench.plan.cost.explain import explain, render
 from workbench.plan.cost.hardware import GIB
 from workbench.plan.cost.software import Software
+from workbench.plan.cost.stack_facts import plan_facts
 from workbench.plan.cost.stacks import STACKS, stack_software
 from workbench.plan.pools.cluster import check_fp8, pools_of
 from workbench.plan.pools.explain import explain_pools, render_pools
@@ -182,6 +185,10 @@ def main(argv: list[str]) -> int:
                    help="a training budget in tokens (15e12): days and GPU-hours per layout")
     p.add_argument("--stack", default="workbench", metavar="NAME",
                    help="the training stack to plan for: " + ", ".join(STACKS))
+    p.add_argument("--stack-fact", action="append", default=[], metavar="KEY=VALUE",
+                   help="a fact where your run differs from the stack's defaults, as a "
+                        "published row's fact column says it (repeatable; e.g. "
+                        "grad_buffer_bits=16; docs/planner.md 'Stack facts')")
     p.add_argument("--fp8", action="store_true",
                    help="FP8 linears (Transformer Engine on megatron, torchao on torchtitan)")
     args = p.parse_args(argv)
@@ -191,7 +198,9 @@ def main(argv: list[str]) -> int:
     _check_options(args.top, args.world_size, args.optuna, args.margin_gib, args.tokens)
     cfg = compose(args.overrides)
     world = args.world_size or cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    sw = stack_software(args.stack, cfg.train, cfg.cluster, args.fp8)
+    facts = plan_facts(args.stack_fact)
+    sw = stack_software(args.stack, cfg.train, cfg.cluster, args.fp8, facts)
+    args.stack = "+".join([args.stack, *args.stack_fact])  # as the reports name it
     stack = f"{args.stack} ({sw.precision})"
     if cfg.cluster.pools and args.fp8:
         check_fp8(pools_of(cfg.cluster))

@@ -28,7 +28,7 @@ from workbench.plan.accuracy.fit import (
     write_coeff,
 )
 from workbench.plan.accuracy.mlflow_runs import load_mlflow_cases
-from workbench.plan.accuracy.predict import read_rows
+from workbench.plan.accuracy.predict import check_stacks, read_rows
 from workbench.plan.cost.coefficients import NAMES, coefficients
 
 
@@ -65,6 +65,7 @@ def main(argv: list[str]) -> int:
                              "skipped" + (f"; first: {skipped[-1]})" if skipped else ")"))
     else:
         _, rows = read_rows(args.csv)
+        check_stacks(rows, args.csv)  # a wrong stack is bad input, not a row to skip
         cases = load_cases(rows, cluster)
         if not cases:
             raise InputError(f"--csv {args.csv}: no usable rows for GPU {cluster.gpu}")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workbench.errors import ConfigError, InputError
-from workbench.plan.accuracy.published import REQUIRED, Case, row_case
+from workbench.plan.accuracy.published import REQUIRED, Case, row_case, row_stack
 from workbench.plan.cost.coefficients import Coefficients, coefficients
 from workbench.plan.cost.estimate import Estimate, estimate
 from workbench.plan.cost.hardware import GIB
@@ -74,27 +74,30 @@ def read_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     return header, rows
 
 
+def check_stacks(rows: list[dict[str, str]], path: Path) -> None:
+    """Refuse the file if any row names no or an unknown stack or sets a fact to a bad value:
+    ConfigError naming the column, the row and what is valid. Unlike a row that cannot be
+    estimated (its reason goes in pred_error), a wrong description would be scored as if it were
+    right, so it stops the run before anything is written."""
+    for i, row in enumerate(rows, start=2):  # line 1 is the header
+        row_stack(row, f" (line {i} of {path.name})")
+
+
 def apply_facts(rows: list[dict[str, str]], facts: list[dict[str, str]]
                 ) -> tuple[list[dict[str, str]], int]:
     """Rows with the fields a facts table (source_group, model, gpu_type, precision: the row
     key; column, value, evidence) fills in, and how many it filled. A fact fills only a field
     the row leaves empty: what a source printed is never overwritten by what was found about
-    it elsewhere. A column named with a trailing "+" ("notes+") adds the value to that field
-    after what it says."""
+    it elsewhere. A fact's column is any column of the schema, a stack fact column included
+    (`norm_kernel`, `fsdp_fp8_gather`)."""
     filled, out = 0, []
     key = ("source_group", "model", "gpu_type", "precision")
     for row in rows:
         row = dict(row)
         for f in (f for f in facts if all(row.get(k) == f[k] for k in key)):
-            col, add = f["column"].rstrip("+"), f["column"].endswith("+")
-            have = (row.get(col) or "").strip()
-            if add and f["value"] not in have:
-                row[col] = f"{have}; {f['value']}" if have else f["value"]
-            elif add or have:
-                continue
-            else:
-                row[col] = f["value"]
-            filled += 1
+            if not (row.get(f["column"]) or "").strip():
+                row[f["column"]] = f["value"]
+                filled += 1
         out.append(row)
     return out, filled
 

@@ -1,9 +1,11 @@
 """A published training run's row as typed planner inputs.
 
 Rows come in the schema of benchmarks/calibration/published_layouts.csv: a model's dimensions, a
-loosely named GPU, the degrees, and free text (precision, notes, zero_or_fsdp, interconnect)
-that says what the stack did. This module reads that text into a Layout, a ClusterConfig and a
-Software, so that a row from any source is estimated on the same footing as a planned layout.
+loosely named GPU, the degrees, the training stack (`stack`, one of
+workbench.plan.cost.stacks.STACKS) and the typed facts where the run differed from that stack's
+defaults (workbench.plan.cost.stack_facts; docs/planner.md "Stack facts"). This module reads
+them into a Layout, a ClusterConfig and a Software, so that a row from any source is estimated
+on the same footing as a planned layout. The `notes` column is for people: nothing reads it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ from workbench.plan.accuracy.fabric import inter_node_gbps_per_gpu
 from workbench.plan.cost.hardware import cluster_for
 from workbench.plan.cost.shapes import model_shape
 from workbench.plan.cost.software import Software
+from workbench.plan.cost.stack_facts import FactValue, facts_of
+from workbench.plan.cost.stacks import STACKS, Stack, describe, stack_of
 from workbench.plan.search.rules import engine_only, validate_layout
 
 REQUIRED = ("n_layers", "hidden", "n_heads", "seq_len", "gpu_type", "n_gpus", "tp", "pp", "dp")
-# Megatron's unfused vocab-parallel cross-entropy: HBM bytes per logit, forward + backward
-# (counted op by op in Software.loss_hbm_bytes_per_logit).
-MEGATRON_LOSS_BYTES = 52.0
 
 
 @dataclass(frozen=True)
@@ -50,68 +51,31 @@ def _int(row: dict[str, str], key: str, default: int | None = None) -> int:
         raise ValueError(f"{key}={text!r} is not a number") from None
 
 
-def _software(precision: str, notes: str, shard: str = "") -> Software:
-    """FP16-era rows (Megatron 2021-22) ran without fused attention, with dropout, with grads
-    reduced in FP16 and not overlapped; BF16/FP8 rows are the modern flash-attention stacks.
-    The sharding stack comes from zero_or_fsdp (DeepSpeed ZeRO-3 prefetches its gathers), FP8
-    scaling from the precision text (torchao's default recipe is tensorwise), CP load balancing
-    is assumed unless the notes say otherwise."""
-    p, n = precision.upper(), notes.lower().replace(" ", "")
-    up = shard.upper().replace(" ", "")
-    zero3, torch_fsdp = "ZERO-3" in up or "ZERO3" in up, "FSDP" in up
-    # PyTorch-FSDP stacks (torchtitan) run eager elementwise ops unless compiled; torchao Float8
-    # needs torch.compile to fuse its amax/casts (torchao/torchtitan float8 docs), so their FP8
-    # rows count as compiled. Megatron/TE rows keep their fused kernels (neither flag).
-    compiled = "compile" in n or (torch_fsdp and "FP8" in p)
-    facts = {"overlap_tp": "tp-comm-overlap" in n, "async_tp": "asynctp" in n,
-             "dist_optimizer": "overlap-param-gather" in n or "ZERO-1" in up, "compiled": compiled,
-             "eager": (torch_fsdp and not compiled) or "eager-elementwise" in n,
-             "dp_stack": "deepspeed_zero3" if zero3 else "fsdp",
-             "cp_load_balance": "noloadbalanc" not in n and "unbalanced" not in n,
-             # K/V all-gathered once per layer (Llama 3 paper, section 3.3.2) instead of a ring
-             "cp_allgather": "cpbyall-gather" in n,
-             "flash_v1": "flash_attentionv1" in n,
-             # torchtitan's Triton RMSNorm (`norm_type = "fused_rmsnorm"`) in an eager stack
-             "norm_kernel": "fused-rmsnorm" in n,
-             "batch_first_sp": torch_fsdp,
-             # Megatron-Core / NeMo put CP ranks in the data-parallel group, not a shard group
-             "cp_shards_params": torch_fsdp or zero3,
-             # Megatron-Core's grad buffer is 16 bit unless told to accumulate in fp32
-             "grad_buffer_bytes": 2.0 if "grad-buffer-bf16" in n else 4.0,
-             # Megatron-LM's own training script (its --overlap-grad-reduce flag; 2021 FP16
-             # rows): the unfused vocab-parallel cross-entropy, op by op (Software)
-             "loss_hbm_bytes_per_logit": MEGATRON_LOSS_BYTES
-             if "overlap-grad-reduce" in n or ("FP16" in p and not zero3) else 0.0}
+def row_precision(text: str) -> str:
+    """The compute precision a row's precision column names: fp8 (FP8 linears), fp16 (also
+    "FP16/BF16", the FP16-era rows that do not say), fp32, else bf16."""
+    p = text.upper()
     if "FP8" in p:
-        return Software(precision="fp8", **facts, fsdp_fp8_gather="float8all-gather" in n,
-                        fp8_scaling="rowwise" if "ROWWISE" in p else "te_delayed"
-                        if "TE" in p.replace("(", " ").split() else "tensorwise")
-    if "dp-sync-in-step" in n and "BF16" in p:  # grads all-reduced in fp32 in the optimizer step
-        facts |= {"zero1_allreduce": True, "dist_optimizer": True,
-                  "separate_gate_up": "separate-gate-up" in n,
-                  "gathered_logits": "gathered-logits" in n,
-                  # the Aleph Alpha stack (separate gate/up linears) keeps eager copies
-                  "unfused_swiglu": "separate-gate-up" in n,
-                  "attention_copies": "separate-gate-up" in n,
-                  # ... and its pipeline sends whole tensors, blocking (Software.p2p_blocking)
-                  "p2p_tp_split": "separate-gate-up" not in n,
-                  "p2p_blocking": "separate-gate-up" in n,
-                  "unfused_norm": "eager-elementwise" in n,
-                  # its `kernel: torch` attention core, op by op (Software.eager_softmax_bytes)
-                  "eager_softmax_bytes": (4.0 if "softmax-fp32" in n else 2.0)
-                  if "kerneltorch" in n else 0.0,
-                  # its SwiGLU and RoPE are eager with or without the RMS kernel (Software)
-                  "eager": facts["eager"] or "separate-gate-up" in n,
-                  "norm_kernel": "separate-gate-up" in n and "eager-elementwise" not in n,
-                  "pp_group": int(m.group(1)) if (m := re.search(r"pp-group=(\d+)", n)) else 0}
-        return Software(precision="bf16", flash_attention="noflash" not in n, overlap_dp=False,
-                        grad_reduce_bytes=4.0, **facts)
+        return "fp8"
     if "FP16" in p:
-        return Software(precision="fp16", flash_attention=False, dropout=True, overlap_dp=zero3,
-                        grad_reduce_bytes=2.0, **facts)
-    if "FP32" in p and "BF16" not in p:
-        return Software(precision="fp32", **facts)
-    return Software(precision="bf16", flash_attention="noflash" not in n, **facts)
+        return "fp16"
+    return "fp32" if "FP32" in p and "BF16" not in p else "bf16"
+
+
+def row_stack(row: dict[str, str], where: str = "") -> tuple[str, dict[str, FactValue]]:
+    """A row's stack and the typed facts it sets against that stack's defaults (the `stack`
+    column and the fact columns of workbench.plan.cost.stack_facts; `notes` is not read).
+    ConfigError naming the column and what is valid for a missing or unknown stack or a bad
+    fact value."""
+    name = (row.get("stack") or "").strip()
+    stack_of(name, "stack" + where)
+    return name, facts_of(row, where)
+
+
+def row_software(row: dict[str, str]) -> Software:
+    """The Software a row ran: its stack's description in its precision, with its facts."""
+    name, facts = row_stack(row)
+    return describe(name, row_precision(row.get("precision") or "BF16"), facts)
 
 
 def _recompute(text: str) -> str:
@@ -165,12 +129,12 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
     m = re.search(r"CP\s*=\s*(\d+)", cpsp)
     cp = int(m.group(1)) if m else 1
     shard = (row.get("zero_or_fsdp") or "").upper()
-    # PyTorch FSDP2 + TP (torchtitan) always shards norms/residuals along the sequence, and
-    # Megatron's --tp-comm-overlap refuses to run without --sequence-parallel (arguments.py).
-    notes = (row.get("notes") or "").lower()
-    sp = tp > 1 and (cpsp.startswith("SP") or "FSDP2" in shard or "tp-comm-overlap" in notes
-                     or "sequence-parallel" in notes)
-    mb, gb, v, split = _batching(row, dp, pp, _int(row, "n_layers"), "FSDP2" in shard)
+    name, facts = row_stack(row)
+    stack = STACKS[name]
+    software = describe(name, row_precision(row.get("precision") or "BF16"), facts)
+    sp = tp > 1 and bool(facts.get("sequence_parallel", _sp_default(cpsp, stack, software)))
+    mb, gb, v, split = _batching(row, dp, pp, _int(row, "n_layers"), stack.torchtitan_batching,
+                                 int(facts.get("local_batch", 0)))
     sched = "interleaved_1f1b" if v > 1 and pp > 1 else "1f1b"
     sharded = "FSDP" in shard or "ZERO-3" in shard or "ZERO3" in shard
     layout = Layout(dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1, tp=tp,
@@ -189,28 +153,34 @@ def row_case(row: dict[str, str], coeff: dict[str, float] | None = None) -> Case
     if layout.world_size != n_gpus:
         raise ValueError(f"tp*pp*dp*cp={layout.world_size} != n_gpus {n_gpus}")
     train = TrainConfig(global_batch=gb, micro_batch=mb, dtype="bf16")
-    return Case(model, cluster, train, layout, _software(row.get("precision") or "BF16",
-                                                              row.get("notes") or "", shard))
+    return Case(model, cluster, train, layout, software)
 
 
-def _batching(row: dict[str, str], dp: int, pp: int, n_layers: int, torchtitan: bool
-              ) -> tuple[int, int, int, tuple[int, ...]]:
-    """(micro_batch, global_batch, virtual_stages, stage_layers) of a row. What a torchtitan
-    row (FSDP2) does not print is torchtitan's default at its 2024-12 benchmark commit
-    (9dec370): the global batch is the printed local batch times the data-parallel degree; a
-    pipeline splits a rank's batch into pp micro-batches (`pipeline_parallel_microbatches`
-    unset); an interleaved schedule runs 2 stages a rank; without split points the layers go
-    by `torchtitan_split`. Any other row with a pipeline must print its global batch."""
-    notes = (row.get("notes") or "").lower()
-    local = re.search(r"local batch (\d+)", notes) if torchtitan else None
-    gb = _int(row, "global_batch", int(local.group(1)) * dp if local else 0)
+def _sp_default(cp_or_sp: str, stack: Stack, software: Software) -> bool:
+    """Sequence parallelism where a row's sequence_parallel column is empty: its cp_or_sp
+    column says SP; its stack always shards along the sequence under TP (PyTorch FSDP2 + TP,
+    torchtitan); or it overlaps TP communication (Megatron's --tp-comm-overlap refuses to run
+    without --sequence-parallel, arguments.py)."""
+    return cp_or_sp.startswith("SP") or stack.sp_with_tp or software.overlap_tp
+
+
+def _batching(row: dict[str, str], dp: int, pp: int, n_layers: int, torchtitan: bool,
+              local_batch: int = 0) -> tuple[int, int, int, tuple[int, ...]]:
+    """(micro_batch, global_batch, virtual_stages, stage_layers) of a row. Without a printed
+    global batch it is the row's local_batch (sequences per data-parallel rank) times the
+    data-parallel degree. What a torchtitan row does not print is torchtitan's default at its
+    2024-12 benchmark commit (9dec370): a pipeline splits a rank's batch into pp micro-batches
+    (`pipeline_parallel_microbatches` unset); without split points the layers go by
+    `torchtitan_split` (an interleaved schedule's 2 stages a rank are its virtual_stages
+    column). Any other row with a pipeline must print its global batch."""
+    gb = _int(row, "global_batch", local_batch * dp)
     if not gb and pp > 1:
         raise ValueError("missing global_batch (the pipeline schedule depends on it)")
     mb = _int(row, "micro_batch", max(1, gb // (dp * pp)) if torchtitan and pp > 1 else 1)
     gb = gb or mb * dp  # pp == 1: one micro-batch per step
     if gb % (dp * mb):
         raise ValueError(f"global_batch {gb} is not a multiple of dp*micro_batch {dp * mb}")
-    v = _int(row, "virtual_stages", 2 if torchtitan and "interleaved" in notes else 1)
+    v = _int(row, "virtual_stages", 1)
     split_text = (row.get("stage_layers") or "").strip()
     if split_text:
         return mb, gb, v, parse_split(split_text)

@@ -1,6 +1,7 @@
 """What the training stack does, as far as cost goes: the facts of a code base the cost model
-needs beside the model, the hardware and the coefficients (workbench.plan.costmodel.software_for
-gives this repository's; plan/validate.py reads published stacks' from their notes)."""
+needs beside the model, the hardware and the coefficients (workbench.plan.cost.stacks describes
+each stack as one of these: this repository's, and those of the published rows, whose `stack`
+and fact columns workbench.plan.cost.stack_facts reads)."""
 
 from __future__ import annotations
 
