@@ -10,12 +10,15 @@ step-time ratio of two kernels over the same layouts, measured and predicted
 precision/recall/F1 of `not pred_fits` on rows with a known outcome (every measured row ran;
 rows with outcome=oom did not), and the same at each of a few `plan --margin-gib` margins
 (what a margin catches against what it rejects); which sources set a coefficient; the error on
-published peak memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Nothing here is
-fitted: the figures are whatever the physical defaults give (`--interconnect` is a what-if,
-never a default).
+published peak memory; and per-GPU memory against Korthikanti et al. Fig. 1 / 7. Beside them,
+per source and overall, the development and held-out figures (benchmarks/calibration/
+splits.csv: which sources' rows chose a stack fact or coefficient; a source it does not declare
+stops the run, exit 2). Nothing here is fitted: the figures are whatever the physical defaults
+give (`--interconnect` is a what-if, never a default).
 
     python benchmarks/costmodel_accuracy.py [--csv PATH ...] [--memory-csv PATH]
         [--interconnect SOURCE=TEXT ...]   # what-if: another fabric for one source's rows
+        [--splits PATH]                    # default benchmarks/calibration/splits.csv
 """
 
 from __future__ import annotations
@@ -27,8 +30,21 @@ from collections import defaultdict
 from pathlib import Path
 
 from workbench.config import ModelConfig, TrainConfig
+from workbench.errors import ConfigError, InputError
 from workbench.layout import Layout
 from workbench.plan.accuracy.predict import apply_facts, default_csv, predict_row, read_rows
+from workbench.plan.accuracy.scores import (
+    LOWER_IS_BETTER,
+    check_declared,
+    oom_scores,
+    prf1,
+    read_splits,
+    regret,
+    report_splits,
+    spearman,
+    sweep_name,
+    sweeps_of,
+)
 from workbench.plan.cost.estimate import estimate
 from workbench.plan.cost.hardware import GIB, cluster_for
 from workbench.plan.cost.software import Software
@@ -36,34 +52,13 @@ from workbench.plan.cost.software import Software
 PROJECT_CSV = Path(__file__).resolve().parent / "calibration"
 # Fields the shared rows leave empty and this project found in their sources (with evidence).
 FACTS_CSV = PROJECT_CSV / "shared_row_facts.csv"
+# Which source groups' rows chose a fact or coefficient (development) and which none (held_out).
+SPLITS_CSV = PROJECT_CSV / "splits.csv"
 
 METRIC_TO_PRED = {"tflops_per_gpu": ("pred_hw_tflops_per_gpu", 1.0),
                   "MFU_pct": ("pred_mfu", 100.0),
                   "tokens_per_sec_per_gpu": ("pred_tokens_per_s_per_gpu", 1.0),
                   "seconds_per_iter": ("pred_step_time_s", 1.0)}
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Rank correlation with average ranks for ties; nan when either side is constant."""
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2.0
-            i = j + 1
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = sum((a - mx) ** 2 for a in rx)
-    vy = sum((b - my) ** 2 for b in ry)
-    return cov / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else float("nan")
 
 
 def measured_vs_predicted(rows: list[dict[str, str]]) -> list[tuple[dict[str, str], float, float]]:
@@ -90,58 +85,22 @@ SETS_COEFFICIENT = {
     "torchtitan_asynctp": "async_tp_overlap, fp8_rowwise_cast_bytes",
     "dgxc_nemo2409": "fp8_te_mm_speedup",
 }
-LOWER_IS_BETTER = {"seconds_per_iter"}
 SWEEP_MIN = 5
-
-
-def regret(meas: list[float], pred: list[float], lower_better: bool) -> float:
-    """How much worse (fraction) the measured figure of the predicted-best layout is than the
-    measured best: 0 when the model picks the layout that measured best."""
-    pick = (min if lower_better else max)(range(len(pred)), key=lambda i: pred[i])
-    best = min(meas) if lower_better else max(meas)
-    return abs(meas[pick] - best) / best
 
 
 MARGINS_GIB = (0.0, 1.0, 2.0, 4.0, 8.0)
 
 
-def oom_scores(rows: list[dict[str, str]], margin_gib: float = 0.0
-               ) -> tuple[int, int, int, int]:
-    """(tp, fp, fn, tn) of predicting OOM (not pred_fits, or less than `margin_gib` of headroom:
-    `plan --margin-gib`) on rows with a known outcome: every measured row ran; rows whose
-    `outcome` says oom did not."""
-    tp = fp = fn = tn = 0
-    for r in rows:
-        if r.get("pred_fits") not in ("true", "false"):
-            continue
-        oom = (r.get("outcome") or "").strip().lower() == "oom"
-        pred_oom = r["pred_fits"] == "false" or float(r["pred_headroom_gib"]) < margin_gib
-        tp += oom and pred_oom
-        fp += (not oom) and pred_oom
-        fn += oom and not pred_oom
-        tn += (not oom) and not pred_oom
-    return tp, fp, fn, tn
-
-
-def _f1(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
-    prec = tp / (tp + fp) if tp + fp else float("nan")
-    rec = tp / (tp + fn) if tp + fn else float("nan")
-    return prec, rec, (2 * prec * rec / (prec + rec) if tp else float("nan"))
-
-
 def sweep_stats(pairs: list) -> dict[str, list[tuple[str, int, float, float]]]:
     """Per source: (sweep name, layouts, Spearman, top-1 regret) of every sweep of >= SWEEP_MIN
-    layouts; a sweep is one source, model, precision-free GPU count, varying the layout."""
-    sweeps: dict[tuple[str, str, str, str], list] = defaultdict(list)
-    for row, meas, pred in pairs:
-        sweeps[(row["source_group"], row["model"], row["n_gpus"], row["metric"])].append(
-            (meas, pred))
+    layouts; a sweep is one source, model, precision-free GPU count and GPU type, varying the
+    layout (scores.sweeps_of)."""
+    sweeps = sweeps_of(pairs, SWEEP_MIN)
     out: dict[str, list] = defaultdict(list)
-    for (src, model, n, metric), items in sweeps.items():
-        if len(items) >= SWEEP_MIN:
-            m, p = [a for a, _ in items], [b for _, b in items]
-            out[src].append((f"{model} n={n}", len(items), spearman(m, p),
-                             regret(m, p, metric in LOWER_IS_BETTER)))
+    for key, items in sweeps.items():
+        m, p = [a for a, _ in items], [b for _, b in items]
+        out[key[0]].append((sweep_name(key, sweeps), len(items), spearman(m, p),
+                            regret(m, p, key[3] in LOWER_IS_BETTER)))
     return out
 
 
@@ -227,7 +186,10 @@ def report_kernel_ratios(pairs: list) -> None:
                   f"predicted x{pred:.2f}")
 
 
-def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
+def report_layouts(rows: list[dict[str, str]], splits: dict[str, dict[str, str]] | None = None,
+                   splits_path: Path = SPLITS_CSV) -> dict[str, float]:
+    """Print every figure of the rows (see the module's docstring); return {source: median
+    |error| %}. With `splits`, the development and held-out figures side by side as well."""
     pairs = measured_vs_predicted(rows)
     preds = [{**r, **predict_row(r)} for r in rows]
     by_source: dict[str, list] = defaultdict(list)
@@ -245,18 +207,20 @@ def report_layouts(rows: list[dict[str, str]]) -> dict[str, float]:
         rho = f"{min(x[2] for x in sw):+.2f}" if sw else "-"
         reg = f"{max(x[3] for x in sw):.1%}" if sw else "-"
         tp, fp, fn, _ = oom_scores([r for r in preds if r["source_group"] == src])
-        prec, rec, f1 = _f1(tp, fp, fn)
+        prec, rec, f1 = prf1(tp, fp, fn)
         oom = f"P {prec:.2f} R {rec:.2f} F1 {f1:.2f}" if tp + fn else f"no OOM rows ({fp} FP)"
         print(f"{src:<20}{len(items):>4} {','.join(metrics)[:23]:<24}{mapes[src]:>7.1f}"
               f"{len(sw):>7}{rho:>8}{reg:>11}  {oom:<24} {SETS_COEFFICIENT.get(src, '')}")
     all_errs = [abs(p - m) / m * 100 for _, m, p in pairs]
     print(f"{'all':<20}{len(pairs):>4} {'':<24}{statistics.median(all_errs):>7.1f}")
     tp, fp, fn, tn = oom_scores(preds)
-    prec, rec, f1 = _f1(tp, fp, fn)
+    prec, rec, f1 = prf1(tp, fp, fn)
     print("OOM as `not pred_fits` (peak + 0 GiB margin <= HBM) over every row with a known "
           f"outcome: tp {tp} fp {fp} fn {fn} tn {tn}; precision {prec:.2f} recall {rec:.2f} "
           f"F1 {f1:.2f}")
     report_margins(preds)
+    if splits is not None:
+        report_splits(pairs, preds, splits, splits_path)
     print("\nper row (measured -> predicted):")
     for row, meas, pred in pairs:
         print(f"  {row['source_group']:<18}{row['model'][:28]:<29}n={row['n_gpus']:<6}"
@@ -295,7 +259,7 @@ def report_oom_sweeps(preds: list[dict[str, str]]) -> None:
         tp, fp, fn, tn = oom_scores(rows)
         if tp + fn == 0:
             continue
-        prec, rec, f1 = _f1(tp, fp, fn)
+        prec, rec, f1 = prf1(tp, fp, fn)
         print(f"  {src:<20}{model:<30}n={n:<6}oom {tp + fn:<4}ran {fp + tn:<4}"
               f"P {prec:.2f} R {rec:.2f} F1 {f1:.2f}")
 
@@ -306,7 +270,7 @@ def report_margins(preds: list[dict[str, str]]) -> None:
     print("OOM by margin (a layout fits when peak + margin <= HBM; plan --margin-gib):")
     for g in MARGINS_GIB:
         tp, fp, fn, tn = oom_scores(preds, g)
-        prec, rec, f1 = _f1(tp, fp, fn)
+        prec, rec, f1 = prf1(tp, fp, fn)
         print(f"  margin {g:>4g} GiB: precision {prec:.2f} recall {rec:.2f} F1 {f1:.2f}; "
               f"rejects {fp} of the {fp + tn} layouts that ran, lets {fn} of {tp + fn} OOMs "
               "through")
@@ -389,6 +353,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--interconnect", action="append", default=[], metavar="SOURCE=TEXT",
                    help="what-if: score SOURCE's rows as if their fabric were TEXT (as the CSV's "
                         "interconnect column says it, e.g. '1x200Gb/s HDR IB per node')")
+    p.add_argument("--splits", type=Path, default=SPLITS_CSV,
+                   help="source_group -> development | held_out (default: "
+                        "benchmarks/calibration/splits.csv); every scored source must be in it")
     args = p.parse_args(argv)
     fabric = dict(x.partition("=")[::2] for x in args.interconnect)
     if bad := [x for x in args.interconnect if "=" not in x or not x.partition("=")[2]]:
@@ -405,7 +372,13 @@ def main(argv: list[str]) -> int:
         rows += [{**r, "interconnect": fabric[r["source_group"]]}
                  if r.get("source_group") in fabric else r for r in got]
         print(f"rows: {len(got)} from {path}")
-    report_layouts(rows)
+    try:
+        splits = read_splits(args.splits)
+        check_declared(rows, splits, args.splits)
+    except (ConfigError, InputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report_layouts(rows, splits, args.splits)
     report_memory(args.memory_csv or paths[0].with_name("korthikanti2022_memory.csv"))
     return 0
 

@@ -91,6 +91,21 @@ STACKS: dict[str, Stack] = {
                  unfused_swiglu=True, attention_copies=True, p2p_tp_split=False,
                  p2p_blocking=True),
         norm_eager_without_kernel=True),
+    # MosaicML llm-foundry (Composer FSDP), described from its code and yamls only (repository
+    # mosaicml/llm-foundry): scripts/train/yamls/pretrain/mpt-*.yaml `fsdp_config`
+    # (sharding_strategy FULL_SHARD over every GPU, limit_all_gathers); Composer's FSDP
+    # mixed_precision DEFAULT (param_dtype bf16, reduce_dtype fp32: fp32 gradients on the wire,
+    # fp32 sharded master weights and Adam states), backward prefetch (overlapped DP); no
+    # torch.compile; attn_impl flash (flash-attn 2 at HEAD; rows benchmarked with flash-attn
+    # 1.0.x or its Triton kernel say attention_kernel=flash1); MPT blocks (models/layers/
+    # blocks.py, ffn.py) whose elementwise ops are single PyTorch kernels each
+    # (low_precision_layernorm is one F.layer_norm, nn.GELU, residual adds; no RoPE, no
+    # SwiGLU, no multi-op eager chain); dropout 0 (configuration_mpt.py); fused cross-entropy
+    # (flash-attention's xentropy kernel, modeling_mpt.py `fused_crossentropy`).
+    "mosaicml": Stack(
+        "MosaicML llm-foundry (Composer FSDP FULL_SHARD, mixed precision DEFAULT: bf16 compute, "
+        "fp32 gradient reduce and master weights), flash attention, no torch.compile",
+        Software(overlap_dp=True, grad_reduce_bytes=4.0)),
 }
 
 
