@@ -13,14 +13,15 @@ on `local_cpu` (the datasheet figures; over the link its NIC rate set to the lin
 default run is also checked as a user runs it: `python -m workbench.run cluster=bench_here
 train.steps=30`, its logged pred/step_time_s against its median step.
 
-Development and held-out rows: the 60 rows marked `dev` are the ones the cost model's measured
+Development and held-out rows: the 77 rows marked `dev` are the ones the cost model's measured
 terms were developed against (every choice in workbench/plan/cost/engine_residuals.py,
 measured_terms.py, the pipeline's bubble and sends, and workbench/profile/probes.py was made
-looking at them): 17 from the start and three sets that were held out until their runs showed
+looking at them): 17 from the start and four sets that were held out until their runs showed
 a miss (TP beside other ranks on shared cores: the busy probes; pipelines of unlike stages and
 sends behind compute: the fill-and-drain bubble, overlapped sends; DP composed with TP, CP or
-sharding: the composed probes). The 17 `held-out` rows were defined, in the commit before
-their first run, after those choices were fixed. Verdict (not in --quick, a smoke test at CI
+sharding: the composed probes; the level of every row: the probes' reference block). The 14
+`held-out` rows were defined, in the commit before their first run, after those choices were
+fixed. Verdict (not in --quick, a smoke test at CI
 size that measures one layout per world size): on the held-out rows, median error at most 10%
 and Spearman at least 0.9; the default run within 15%. Exit 1 when it fails.
 """
@@ -139,34 +140,61 @@ LAYOUTS = [
     ("fsdp mb4 over the link", "link", ["layout=fsdp", "train.micro_batch=4"], "dev"),
     ("pp split 3-1 over the link", "link", ["layout=pp", "train.micro_batch=4",
                                             "layout.stage_layers=[3,1]"], "dev"),
-    # Held out: layouts no version of the cost model (the composed probes included) was looked
-    # at on; defined in the commit before their first run (stop 40: 11.1%, Spearman 0.988).
+    # The fourth held-out set (stop 40: 11.1%, Spearman 0.988), development since the probes'
+    # reference block (stop 41) was chosen after its run.
     ("single recompute=full mb2 x8", 1, ["layout.recompute=full", "train.micro_batch=2"],
-     "held-out"),
-    ("ddp recompute=full", 2, ["layout=ddp", "layout.recompute=full"], "held-out"),
-    ("fsdp mb1 x8", 2, ["layout=fsdp", "train.micro_batch=1"], "held-out"),
-    ("tp mb2 x8", 2, ["layout=tp", "train.micro_batch=2"], "held-out"),
+     "dev"),
+    ("ddp recompute=full", 2, ["layout=ddp", "layout.recompute=full"], "dev"),
+    ("fsdp mb1 x8", 2, ["layout=fsdp", "train.micro_batch=1"], "dev"),
+    ("tp mb2 x8", 2, ["layout=tp", "train.micro_batch=2"], "dev"),
     ("tp+sp mb8 x2", 2, ["layout=tp", "layout.sequence_parallel=true", "train.micro_batch=8"],
-     "held-out"),
-    ("tp recompute=full", 2, ["layout=tp", "layout.recompute=full"], "held-out"),
+     "dev"),
+    ("tp recompute=full", 2, ["layout=tp", "layout.recompute=full"], "dev"),
     ("pp gpipe split 1-3", 2, ["layout=pp", "layout.pp_schedule=gpipe", "train.micro_batch=4",
-                               "layout.stage_layers=[1,3]"], "held-out"),
+                               "layout.stage_layers=[1,3]"], "dev"),
     ("pp interleaved v2 mb2 x8", 2, ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
                                      "layout.virtual_stages=2", "train.micro_batch=2"],
-     "held-out"),
-    ("cp mb2 x8", 2, ["layout.cp=2", "train.micro_batch=2"], "held-out"),
+     "dev"),
+    ("cp mb2 x8", 2, ["layout.cp=2", "train.micro_batch=2"], "dev"),
     ("dp2 tp2 mb4 x2", 4, ["layout.dp_replicate=2", "layout.tp=2", "train.micro_batch=4"],
-     "held-out"),
+     "dev"),
     ("fsdp2 tp2 sp", 4, ["layout.dp_shard=2", "layout.tp=2", "layout.sequence_parallel=true"],
-     "held-out"),
+     "dev"),
     ("dp2 cp2 recompute=full", 4, ["layout.dp_replicate=2", "layout.cp=2",
-                                   "layout.recompute=full"], "held-out"),
-    ("tp4 sp", 4, ["layout.tp=4", "layout.sequence_parallel=true"], "held-out"),
-    ("ddp x4 recompute=full", 4, ["layout=ddp", "layout.recompute=full"], "held-out"),
+                                   "layout.recompute=full"], "dev"),
+    ("tp4 sp", 4, ["layout.tp=4", "layout.sequence_parallel=true"], "dev"),
+    ("ddp x4 recompute=full", 4, ["layout=ddp", "layout.recompute=full"], "dev"),
     ("pp2 dp2 mb2 x4", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=2"],
+     "dev"),
+    ("ddp mb2 over the link", "link", ["layout=ddp", "train.micro_batch=2"], "dev"),
+    ("cp mb8 over the link", "link", ["layout.cp=2", "train.micro_batch=8"], "dev"),
+    # Held out: layouts no version of the cost model (the probes' reference included) was
+    # looked at on; defined in the commit before their first run (stop 41).
+    ("single recompute=full mb1 x16", 1, ["layout.recompute=full", "train.micro_batch=1"],
      "held-out"),
-    ("ddp mb2 over the link", "link", ["layout=ddp", "train.micro_batch=2"], "held-out"),
-    ("cp mb8 over the link", "link", ["layout.cp=2", "train.micro_batch=8"], "held-out"),
+    ("ddp recompute=full mb8 x2", 2, ["layout=ddp", "layout.recompute=full",
+                                      "train.micro_batch=8"], "held-out"),
+    ("fsdp recompute=full mb2 x4", 2, ["layout=fsdp", "layout.recompute=full",
+                                       "train.micro_batch=2"], "held-out"),
+    ("tp+sp mb2 x8", 2, ["layout=tp", "layout.sequence_parallel=true", "train.micro_batch=2"],
+     "held-out"),
+    ("tp recompute=full mb4 x4", 2, ["layout=tp", "layout.recompute=full",
+                                     "train.micro_batch=4"], "held-out"),
+    ("cp recompute=full mb4 x4", 2, ["layout.cp=2", "layout.recompute=full",
+                                     "train.micro_batch=4"], "held-out"),
+    ("pp interleaved v2 mb1 x16", 2, ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
+                                      "layout.virtual_stages=2", "train.micro_batch=1"],
+     "held-out"),
+    ("fsdp x4 mb1", 4, ["layout=fsdp", "train.micro_batch=1"], "held-out"),
+    ("dp2 tp2 recompute=full", 4, ["layout.dp_replicate=2", "layout.tp=2",
+                                   "layout.recompute=full"], "held-out"),
+    ("fsdp2 cp2", 4, ["layout.dp_shard=2", "layout.cp=2"], "held-out"),
+    ("pp2 dp2 recompute=full", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=4",
+                                   "layout.recompute=full"], "held-out"),
+    ("pp4 mb2", 4, ["layout.pp=4", "train.micro_batch=2"], "held-out"),
+    ("tp mb4 over the link", "link", ["layout=tp", "train.micro_batch=4"], "held-out"),
+    ("fsdp recompute=full over the link", "link", ["layout=fsdp", "layout.recompute=full"],
+     "held-out"),
 ]
 
 
