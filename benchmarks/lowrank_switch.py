@@ -40,9 +40,11 @@ WARMUP_PCT = {"warmup5": 5, "warmup20": 20}  # the two LR schedules: % of traini
 CHECKS = (10, 40)
 
 
-def _run(args: tuple[str, list[str]]) -> dict[str, Any]:
-    """One run, in its own process (spawned: a fresh torch per run), stopped after its switch."""
-    run_dir, overrides = args
+def _run(args: tuple) -> dict[str, Any]:
+    """One run, in its own process (spawned: a fresh torch per run), stopped after its switch
+    unless a third item says to train on to the last step (lowrank_heldout.py's loss gap)."""
+    run_dir, overrides, *rest = args
+    to_the_end = bool(rest and rest[0])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from workbench.rank import run_job
     from workbench.submit import start
@@ -50,9 +52,10 @@ def _run(args: tuple[str, list[str]]) -> dict[str, Any]:
     _, job = start([*overrides, f"train.run_dir={run_dir}"])
     marker = Path(run_dir) / "rank_map.json"
     t0 = time.time()
-    last = run_job(job, progress=False, stop_requested=marker.exists)
+    last = run_job(job, progress=False, stop_requested=None if to_the_end else marker.exists)
     out = json.loads(marker.read_text()) if marker.exists() else {}
-    return {"run_dir": run_dir, "wall_s": time.time() - t0, "loss": last.get("loss"), **out}
+    return {"run_dir": run_dir, "wall_s": time.time() - t0, "loss": last.get("loss"),
+            "val_loss": last.get("val_loss"), "trainable": last.get("params/trainable"), **out}
 
 
 def _print_run(name: str, r: dict[str, Any]) -> None:

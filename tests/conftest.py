@@ -142,11 +142,12 @@ def pytest_configure(config):
 # one idling while the other runs the last long test (longest-first scheduling).
 LONG = ("test_slurm.py", "test_tracking_server.py", "test_default_run.py::test_default_run",
         "test_repro_resume.py::test_sigkill", "test_parallel_4ranks.py", "test_parallel.py",
-        "test_cpu_gpu_paths.py", "test_lowrank_ddp.py")
+        "test_cpu_gpu_paths.py", "test_lowrank_ddp.py", "test_lowrank_heldout.py")
 
 
 # Modules whose tests share one expensive module-scoped fixture (a matrix of multi-rank runs).
-SHARED_MODULE_FIXTURE = ("test_parallel.py", "test_parallel_4ranks.py", "test_lowrank_parallel.py")
+SHARED_MODULE_FIXTURE = ("test_parallel.py", "test_parallel_4ranks.py", "test_lowrank_parallel.py",
+                         "test_lowrank_heldout.py")
 
 
 def _long_readme_block(item) -> bool:

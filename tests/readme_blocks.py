@@ -176,6 +176,7 @@ CLAIMED: Dict[str, str] = {
     "python benchmarks/costmodel_accuracy.py --interconnect": "tests/test_costmodel_twins.py",
     "python -m workbench.run train.run_dir=runs/stable": "tests/test_branch.py",
     "python -m workbench.run --multirun train.seed=1,2,3": "tests/test_compare.py",
+    "python benchmarks/lowrank_heldout.py": "tests/test_lowrank_heldout.py",
 }
 
 

@@ -99,6 +99,8 @@ def test_lowrank_sweep_on_two_ddp_ranks(workdir, monkeypatch):
     ("lowrank_cpu.py", ["--steps", "12", "--modes", "off,adaptive", "model.n_layers=2",
                         "model.hidden=64", "model.ffn_hidden=256", "model.seq_len=64"],
      "FAIL  switch by the detector"),
+    ("lowrank_heldout.py", ["--steps", "12", "--seeds", "11"],
+     "FAIL  no switch forced by max_switch_frac"),
 ])
 def test_a_lowrank_benchmark_whose_verdict_fails_exits_1(workdir, script, args, failed):
     """Twelve steps leave the detector no room: the cap forces the switch, the benchmark says
