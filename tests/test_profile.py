@@ -337,3 +337,23 @@ def test_profile_repeatability_finds_the_section_two_profiles_differ_in(workdir)
         bad = subprocess.run([*script, *args], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and word in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_ranks_beyond_the_cores_keep_busy_until_rank_0_releases_them() -> None:
+    """Where the ranks outnumber a CPU host's cores, one rank times and the others compute a
+    block over and over until released; where each rank has a core (or a GPU of its own),
+    they time side by side."""
+    import torch
+
+    from workbench.config import ModelConfig
+    from workbench.profile.compute import keep_busy
+    from workbench.profile.rank import cores, oversubscribed
+
+    cpu = torch.device("cpu")
+    assert oversubscribed(cores() + 1, cpu) and not oversubscribed(cores(), cpu)
+    assert not oversubscribed(cores() + 1, torch.device("cuda"))
+    polls = []
+    model = ModelConfig(name="t", n_layers=1, hidden=32, n_heads=2, n_kv_heads=2,
+                        ffn_hidden=64, vocab=64, seq_len=16)
+    keep_busy(model, "fp32", cpu, 1, lambda: polls.append(1) or len(polls) > 3)
+    assert len(polls) == 4  # three blocks computed, released at the fourth poll

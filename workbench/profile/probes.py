@@ -11,10 +11,12 @@ probe (workbench.plan.cost.engine_residuals).
 Each degree k is probed by k ranks of the job in a process group of their own (the job's ranks
 beyond k wait), so that as many ranks compute as a run of k ranks would; on a CPU, where ranks
 share a host's cores, it is probed again with every rank of the job busy (world/k groups of k
-at once), as a larger layout runs its k-rank groups side by side: how much of the engine's cost
-grows when the cores are shared is measured, not assumed. From degree 4 two kinds are also
-probed composed (replication or sharding over 2 beside TP, CP or sharding over the rest): the
-engine then runs FSDP2 over the other kind's DTensors, a cost neither single probe has.
+at once; where the ranks outnumber the cores, the other groups compute a block over and over
+while rank 0's group probes), as a larger layout runs its k-rank groups side by side: how
+much of the engine's cost grows when the cores are shared is measured, not assumed. From
+degree 4 two kinds are also probed composed (replication or sharding over 2 beside TP, CP or
+sharding over the rest): the engine then runs FSDP2 over the other kind's DTensors, a cost
+neither single probe has.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch.distributed as dist
 from workbench.config import ModelConfig, RunConfig, compute_dtype
 from workbench.layout import Layout
 from workbench.plan.cost.engine_residuals import COMPOSED, PROBES
-from workbench.profile.compute import block_ops
+from workbench.profile.compute import block_ops, keep_busy
+from workbench.profile.rank import oversubscribed
 from workbench.train.engine.mesh_engine import make_engine
 from workbench.train.model import build
 from workbench.train.parallel import comm
@@ -137,7 +140,14 @@ def run_probes(cfg: RunConfig, models: List[ModelConfig], degrees: List[int],
     stages = [(d, b) for d in degrees for b in busy_counts(d, world, device)]
     for stage, (degree, busy) in enumerate(stages):
         group, local = divmod(rank, degree)
-        if rank < busy:
+        done0 = folder / f"probes_{stage}_0.done"
+        if 0 < group and rank < busy and oversubscribed(busy, device):
+            # the other groups of a busy stage keep their cores busy while rank 0's group
+            # probes (only its rows are kept): alike at every moment of its timings
+            keep_busy(models[0], compute_dtype(cfg.train, cfg.cluster), device, threads(busy),
+                      done0.exists)
+            (folder / f"probes_{stage}_{group}.done").write_text("done")
+        elif rank < busy:
             if device.type == "cpu":
                 torch.set_num_threads(threads(busy))
             # a file in the job's folder (which every rank shares already), not a port: a free

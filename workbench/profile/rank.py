@@ -77,6 +77,18 @@ def levels(ranks_on_host: int, device: torch.device) -> List[int]:
     return out + [ranks_on_host]
 
 
+def oversubscribed(ranks: int, device: torch.device) -> bool:
+    """More ranks than cores on a CPU host. There, when each rank timed for itself, the ranks
+    drifted apart and what shared a core during a timing (a long GEMM, a tiny op, a rank
+    already waiting) was chance: two profiles' tables of 4 ranks on 2 cores differed point by
+    point by up to 7x. So one rank times and the others compute as a run's ranks do
+    (`compute.keep_busy`). Where every rank has a core, ranks timing side by side repeat
+    better. Two profiles' prices (benchmarks/profile_repeatability.py, median spread):
+    everyone timing 5.3% (4 ranks 11.6%, 2 ranks 3.8%); kept busy at every level 6.3% (4 ranks
+    5.2%, 2 ranks 10.8%); kept busy only here 5.0% (4 ranks 7.8%, 2 ranks 4.2%)."""
+    return device.type == "cpu" and ranks > cores()
+
+
 def threads_for(ranks: int) -> int:
     """The intra-op threads a rank gets when `ranks` share the host (what the launchers give)."""
     return max(1, cores() // ranks)
@@ -190,10 +202,11 @@ def _peak_bytes(device: torch.device) -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
 
 
-def run(spec: ProfileSpec, cfg: RunConfig, rank: int, world: int, show: Progress
-        ) -> Optional[Dict[str, Any]]:
+def run(spec: ProfileSpec, cfg: RunConfig, rank: int, world: int, show: Progress,
+        folder: Path) -> Optional[Dict[str, Any]]:
     """Every measurement, in order; rank 0 returns them (the others None). With several
-    ranks the default process group exists already (the caller makes and ends it)."""
+    ranks the default process group exists already (the caller makes and ends it); `folder`
+    is the job's, which every rank shares (rank 0 releases the busy ranks through it)."""
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" \
         else torch.device("cpu")
     me = where()
@@ -213,10 +226,19 @@ def run(spec: ProfileSpec, cfg: RunConfig, rank: int, world: int, show: Progress
         show("memory: one training step")
         out["memory"] = memory_check(cfg, device)
     rounds: List[List[Any]] = []
-    for _ in range(spec.rounds):  # the whole sweep again: a slow spell falls on one round
+    beside = [r for r in range(world) if hosts[r] == hosts[0]][1:]  # rank 0's host's others
+    for round_ in range(spec.rounds):  # the whole sweep again: a slow spell falls on one round
         rounds.append([])
         for ranks in levels(on_host, device):
-            level = compute_level(spec, cfg, device, ranks, show) if host_index < ranks else None
+            level = None
+            # a file, not a gloo message: gloo's irecv is complete only once waited on
+            released = folder / f"compute_{round_}_{ranks}.done"
+            if rank == 0 or (host_index < ranks and not oversubscribed(ranks, device)):
+                level = compute_level(spec, cfg, device, ranks, show)
+                released.write_text("done") if rank == 0 else None
+            elif oversubscribed(ranks, device) and rank in beside[:ranks - 1]:
+                cm.keep_busy(ModelConfig(**spec.models[0]), spec.dtypes[0], device,
+                             threads_for(ranks), released.exists)
             _barrier(world)
             rounds[-1].append(level)
     if rank == 0:

@@ -46,7 +46,8 @@ def run_job(job: Job, progress: bool = True,
         comm.init_process_group(cfg.cluster.device, world["rank"], world["world_size"],
                                 comm.ByteCounter())
     try:
-        out = profile_rank.run(spec, cfg, world["rank"], world["world_size"], show)
+        out = profile_rank.run(spec, cfg, world["rank"], world["world_size"], show,
+                               Path(job.run_dir))
     finally:
         if world["world_size"] > 1:
             dist.destroy_process_group()
