@@ -55,6 +55,8 @@ from workbench.profile.spec import spec_for
 from workbench.testing import netns
 from workbench.testing.multirank import Case, median_after_first, run_cases, run_single
 
+REFERENCE = "single mb16"  # measured again between the sets: how steady the machine's speed was
+SPEED_MOVED_MAX = 0.10  # a verdict needs the machine's speed steady within this
 ROUNDS = 3  # each layout is measured this many times, interleaved; the median of their medians
 # (name, world, overrides, split): "link" rows run 2 ranks over the limited link.
 LAYOUTS = [
@@ -287,6 +289,22 @@ def measure(world: Any, rows: List[Dict[str, Any]], steps: int, root: Path,
             for r in range(rounds))
 
 
+def speed_mark(marks: List[Dict[str, Any]], label: str, steps: int, root: Path) -> None:
+    """The reference layout (one rank, the default run's shape) measured again now. The
+    profile and the rows are measured tens of minutes apart; a slow spell of the machine (a
+    shared host's neighbours) between them reads as a pricing error. At stop 42 the same
+    layout measured 151.9 ms among the 1-rank rows and 123.5 ms half an hour later."""
+    row = {"name": REFERENCE, "world": 1, "overrides": [], "split": "mark"}
+    measure(1, [row], steps, root / f"mark{len(marks)}", None, 1)
+    marks.append({"when": label, "measured_s": row["measured_s"]})
+
+
+def speed_moved(marks: List[Dict[str, Any]]) -> float:
+    """How far the machine's speed moved during the run: the slowest mark over the fastest."""
+    times = [m["measured_s"] for m in marks]
+    return max(times) / min(times) - 1 if times else 0.0
+
+
 def predict(row: Dict[str, Any], rate_mbit: float) -> None:
     cfg, layout, link = row["cfg"], row["layout"], row["world"] == "link"
     profiled = compose([f"cluster={'bench_link' if link else 'bench_here'}"]).cluster
@@ -329,7 +347,8 @@ def default_run(conf: Path, work: Path) -> Dict[str, float]:
     return {"pred_s": run.data.metrics["pred/step_time_s"], "measured_s": measured}
 
 
-def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool) -> bool:
+def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool,
+           marks: List[Dict[str, Any]]) -> bool:
     print(f"{'layout':<26}{'ranks':>6}{'split':>10}{'measured':>11}{'profile':>10}{'err':>8}"
           f"{'datasheet':>11}{'err':>8}")
     for r in rows:
@@ -351,15 +370,23 @@ def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool) -
     err = default["pred_s"] / default["measured_s"] - 1
     print(f"default run on cluster=bench_here: pred/step_time_s {default['pred_s'] * 1e3:.1f} "
           f"ms, measured median step {default['measured_s'] * 1e3:.1f} ms ({err:+.1%})")
+    moved = speed_moved(marks)
+    if marks:
+        print(f"the machine's speed ({REFERENCE}, measured again): " + ", ".join(
+            f"{m['measured_s'] * 1e3:.1f} ms {m['when']}" for m in marks)
+            + f"; moved {moved:.1%} (at most {SPEED_MOVED_MAX:.0%} for a verdict)")
     if quick:
         print("(--quick: a smoke test at CI size, no verdict)")
         return True
     held = [r for r in rows if r["split"] != "dev"]
     scored = summary(held, "profile_s")
     ok = scored["median_abs_err"] <= 0.10 and scored["spearman"] >= 0.9 and abs(err) <= 0.15
-    print(f"verdict: {'PASS' if ok else 'FAIL'} (median error <= 10%, Spearman >= 0.9 over the "
-          f"{len(held)} held-out layouts; the default run within 15%)")
-    return ok
+    steady = moved <= SPEED_MOVED_MAX
+    print(f"verdict: {'PASS' if ok and steady else 'FAIL'} (median error <= 10%, Spearman >= "
+          f"0.9 over the {len(held)} held-out layouts; the default run within 15%; the "
+          f"machine's speed steady within {SPEED_MOVED_MAX:.0%}"
+          + ("" if steady else ": it was not, so the errors mix two machines") + ")")
+    return ok and steady
 
 
 def main(argv: List[str]) -> int:
@@ -388,10 +415,13 @@ def main(argv: List[str]) -> int:
     rows = [{"name": n, "world": w, "overrides": o, "split": s} for n, w, o, s in LAYOUTS]
     if args.quick:  # a smoke test: one layout of each world size
         rows = [next(r for r in rows if r["world"] == w) for w in (1, 2, 4, "link")]
+    marks: List[Dict[str, Any]] = []
+    speed_mark(marks, "after the profile", steps, root)
     for world in (1, 2, 4):
         print(f"measuring the layouts of {world} rank(s) ...", file=sys.stderr, flush=True)
         measure(world, [r for r in rows if r["world"] == world], steps, root, None,
                 1 if args.quick else ROUNDS)
+        speed_mark(marks, f"after the {world}-rank rows", steps, root)
     with netns.LimitedLink(2, args.rate_mbit) as link:
         print(f"profiling and measuring over a {args.rate_mbit:g} Mbit/s link ...",
               file=sys.stderr, flush=True)
@@ -401,14 +431,16 @@ def main(argv: List[str]) -> int:
                 1 if args.quick else ROUNDS)
     for row in rows:
         predict(row, args.rate_mbit)
+    speed_mark(marks, "after the link's rows", steps, root)
     (root / "default").mkdir()
     default = default_run(conf, root / "default")
     keep = ("name", "world", "split", "overrides", "measured_s")
     (root / "measured.json").write_text(json.dumps(
         {"rows": [{k: r[k] for k in keep} for r in rows], "default_run": default,
-         "rate_mbit": args.rate_mbit, "steps": steps, "quick": args.quick}))
+         "rate_mbit": args.rate_mbit, "steps": steps, "quick": args.quick,
+         "speed_marks": marks}))
     print(f"profiles and measurements kept in {root} (--reuse {root})", file=sys.stderr)
-    return finish(rows, default, args)
+    return finish(rows, default, args, marks)
 
 
 def reuse(root: Path, args: argparse.Namespace) -> int:
@@ -425,7 +457,7 @@ def reuse(root: Path, args: argparse.Namespace) -> int:
         predict(row, data["rate_mbit"])
     default = data["default_run"]
     default["pred_s"] = estimate(*_default_inputs()).step_time_s
-    return finish(rows, default, args)
+    return finish(rows, default, args, data.get("speed_marks", []))
 
 
 def _default_inputs() -> tuple:
@@ -434,12 +466,13 @@ def _default_inputs() -> tuple:
 
 
 def finish(rows: List[Dict[str, Any]], default: Dict[str, float],
-           args: argparse.Namespace) -> int:
-    ok = report(rows, default, args.quick)
+           args: argparse.Namespace, marks: List[Dict[str, Any]]) -> int:
+    ok = report(rows, default, args.quick, marks)
     if args.json:
         keep = ("name", "world", "split", "measured_s", "profile_s", "datasheet_s")
         Path(args.json).write_text(json.dumps({"rows": [{k: r[k] for k in keep} for r in rows],
-                                               "default_run": default}, indent=1))
+                                               "default_run": default,
+                                               "speed_marks": marks}, indent=1))
     return 0 if ok else 1
 
 
