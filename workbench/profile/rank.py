@@ -235,7 +235,8 @@ def run(spec: ProfileSpec, cfg: RunConfig, rank: int, world: int, show: Progress
             released = folder / f"compute_{round_}_{ranks}.done"
             if rank == 0 or (host_index < ranks and not oversubscribed(ranks, device)):
                 level = compute_level(spec, cfg, device, ranks, show)
-                released.write_text("done") if rank == 0 else None
+                if rank == 0:
+                    released.write_text("done")
             elif oversubscribed(ranks, device) and rank in beside[:ranks - 1]:
                 cm.keep_busy(ModelConfig(**spec.models[0]), spec.dtypes[0], device,
                              threads_for(ranks), released.exists)
