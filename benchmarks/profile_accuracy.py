@@ -13,18 +13,19 @@ on `local_cpu` (the datasheet figures; over the link its NIC rate set to the lin
 default run is also checked as a user runs it: `python -m workbench.run cluster=bench_here
 train.steps=30`, its logged pred/step_time_s against its median step.
 
-Development and held-out rows: the 91 rows marked `dev` are the ones the cost model's measured
-terms were developed against (every choice in workbench/plan/cost/engine_residuals.py,
-measured_terms.py, the pipeline's bubble and sends, and workbench/profile/ was made looking at
-them): 17 from the start and five sets that were held out until their runs showed a miss (TP
-beside other ranks on shared cores: the busy probes; pipelines of unlike stages and sends
-behind compute: the fill-and-drain bubble, overlapped sends; DP composed with TP, CP or
-sharding: the composed probes; the level of every row: the probes' reference block; 4-rank
-rows priced fast, and two profiles apart at 4 ranks: where the ranks outnumber the cores, the
-others kept busy while rank 0 times). The 15 `held-out` rows were defined, in the commit
-before their first run, after those choices were fixed. Verdict (not in --quick, a smoke test
-at CI size that measures one layout per world size): on the held-out rows, median error at
-most 10% and Spearman at least 0.9; the default run within 15%. Exit 1 when it fails.
+Development and held-out rows: the 91 rows marked `dev` in profile_layouts.py are the ones the
+cost model's measured terms were developed against (every choice in
+workbench/plan/cost/engine_residuals.py, measured_terms.py, the pipeline's bubble and sends,
+and workbench/profile/ was made looking at them): 17 from the start and five sets that were
+held out until their runs showed a miss (TP beside other ranks on shared cores: the busy
+probes; pipelines of unlike stages and sends behind compute: the fill-and-drain bubble,
+overlapped sends; DP composed with TP, CP or sharding: the composed probes; the level of every
+row: the probes' reference block; 4-rank rows priced fast, and two profiles apart at 4 ranks:
+where the ranks outnumber the cores, the others kept busy while rank 0 times). The 15
+`held-out` rows were defined, in the commit before their first run, after those choices were
+fixed. Verdict (not in --quick, a smoke test at CI size that measures one layout per world
+size): on the held-out rows, median error at most 10% and Spearman at least 0.9; the default
+run within 15%. Exit 1 when it fails.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+from profile_layouts import LAYOUTS  # the rows, beside this file
 
 from workbench import layout as layouts
 from workbench.compose import compose
@@ -58,176 +60,6 @@ from workbench.testing.multirank import Case, median_after_first, run_cases, run
 REFERENCE = "single mb16"  # measured again between the sets: how steady the machine's speed was
 SPEED_MOVED_MAX = 0.10  # a verdict needs the machine's speed steady within this
 ROUNDS = 3  # each layout is measured this many times, interleaved; the median of their medians
-# (name, world, overrides, split): "link" rows run 2 ranks over the limited link.
-LAYOUTS = [
-    ("single mb16", 1, [], "dev"),
-    ("single mb4 x4", 1, ["train.micro_batch=4"], "dev"),
-    ("single recompute=full", 1, ["layout.recompute=full"], "dev"),
-    ("ddp", 2, ["layout=ddp"], "dev"),
-    ("fsdp", 2, ["layout=fsdp"], "dev"),
-    ("tp", 2, ["layout=tp"], "dev"),
-    ("tp+sp", 2, ["layout=tp", "layout.sequence_parallel=true"], "dev"),
-    ("pp 1f1b", 2, ["layout=pp", "train.micro_batch=4"], "dev"),
-    ("pp 1f1b split 1-3", 2, ["layout=pp", "train.micro_batch=4", "layout.stage_layers=[1,3]"],
-     "dev"),
-    ("cp", 2, ["layout.cp=2"], "dev"),
-    ("ddp recompute=full mb2", 2, ["layout=ddp", "layout.recompute=full",
-                                   "train.micro_batch=2"], "dev"),
-    ("ddp x4", 4, ["layout=ddp"], "dev"),
-    ("fsdp x4", 4, ["layout=fsdp"], "dev"),
-    ("dp2 tp2", 4, ["layout.dp_replicate=2", "layout.tp=2"], "dev"),
-    ("pp2 dp2", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=4"], "dev"),
-    ("ddp over the link", "link", ["layout=ddp"], "dev"),
-    ("fsdp over the link", "link", ["layout=fsdp"], "dev"),
-    # The first held-out set (stop 36), development since its first run showed where the
-    # measured terms missed (TP beside other ranks on shared cores): the busy probes were
-    # chosen looking at these rows.
-    ("single mb8 x2", 1, ["train.micro_batch=8"], "dev"),
-    ("single recompute=full mb4 x4", 1, ["layout.recompute=full", "train.micro_batch=4"],
-     "dev"),
-    ("ddp mb2 x4", 2, ["layout=ddp", "train.micro_batch=2"], "dev"),
-    ("fsdp recompute=full", 2, ["layout=fsdp", "layout.recompute=full"], "dev"),
-    ("tp mb4 x4", 2, ["layout=tp", "train.micro_batch=4"], "dev"),
-    ("pp gpipe", 2, ["layout=pp", "layout.pp_schedule=gpipe", "train.micro_batch=4"],
-     "dev"),
-    ("pp interleaved v2", 2, ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
-                              "layout.virtual_stages=2", "train.micro_batch=4"], "dev"),
-    ("cp recompute=full", 2, ["layout.cp=2", "layout.recompute=full"], "dev"),
-    ("tp4", 4, ["layout.tp=4"], "dev"),
-    ("dp2 cp2", 4, ["layout.dp_replicate=2", "layout.cp=2"], "dev"),
-    ("fsdp2 tp2", 4, ["layout.dp_shard=2", "layout.tp=2"], "dev"),
-    ("pp2 tp2", 4, ["layout.pp=2", "layout.tp=2", "train.micro_batch=4"], "dev"),
-    ("tp over the link", "link", ["layout=tp"], "dev"),
-    ("pp over the link", "link", ["layout=pp", "train.micro_batch=4"], "dev"),
-    # The second held-out set (stop 37), development since its run showed where the terms
-    # missed (pipelines of unlike stages, sends behind compute): the fill-and-drain bubble and
-    # overlapped sends were chosen looking at these rows too.
-    ("single mb2 x8", 1, ["train.micro_batch=2"], "dev"),
-    ("ddp mb4 x2", 2, ["layout=ddp", "train.micro_batch=4"], "dev"),
-    ("fsdp mb4 x2", 2, ["layout=fsdp", "train.micro_batch=4"], "dev"),
-    ("tp+sp recompute=full", 2, ["layout=tp", "layout.sequence_parallel=true",
-                                 "layout.recompute=full"], "dev"),
-    ("pp 1f1b split 3-1", 2, ["layout=pp", "train.micro_batch=4", "layout.stage_layers=[3,1]"],
-     "dev"),
-    ("cp mb8 x2", 2, ["layout.cp=2", "train.micro_batch=8"], "dev"),
-    ("ddp x4 mb2", 4, ["layout=ddp", "train.micro_batch=2"], "dev"),
-    ("fsdp x4 recompute=full", 4, ["layout=fsdp", "layout.recompute=full"], "dev"),
-    ("dp2 tp2 sp", 4, ["layout.dp_replicate=2", "layout.tp=2",
-                       "layout.sequence_parallel=true"], "dev"),
-    ("pp2 fsdp2", 4, ["layout.pp=2", "layout.dp_shard=2", "train.micro_batch=4"], "dev"),
-    ("pp4", 4, ["layout.pp=4", "train.micro_batch=4"], "dev"),
-    ("cp over the link", "link", ["layout.cp=2"], "dev"),
-    ("tp+sp over the link", "link", ["layout=tp", "layout.sequence_parallel=true"],
-     "dev"),
-    ("ddp mb4 over the link", "link", ["layout=ddp", "train.micro_batch=4"], "dev"),
-    # The third held-out set (stop 37; runs at stops 37, 39, 39: 9.9%, 10.8%, 9.8%),
-    # development since the composed engine probes (DP beside TP, CP or sharding) were chosen
-    # looking at the composed rows here and above.
-    ("single mb1 x16", 1, ["train.micro_batch=1"], "dev"),
-    ("single recompute=full mb8 x2", 1, ["layout.recompute=full", "train.micro_batch=8"],
-     "dev"),
-    ("ddp mb1 x8", 2, ["layout=ddp", "train.micro_batch=1"], "dev"),
-    ("fsdp mb2 x4", 2, ["layout=fsdp", "train.micro_batch=2"], "dev"),
-    ("tp mb8 x2", 2, ["layout=tp", "train.micro_batch=8"], "dev"),
-    ("tp+sp mb4 x4", 2, ["layout=tp", "layout.sequence_parallel=true", "train.micro_batch=4"],
-     "dev"),
-    ("pp 1f1b mb2 x8", 2, ["layout=pp", "train.micro_batch=2"], "dev"),
-    ("pp gpipe split 3-1", 2, ["layout=pp", "layout.pp_schedule=gpipe", "train.micro_batch=4",
-                               "layout.stage_layers=[3,1]"], "dev"),
-    ("cp mb4 x4", 2, ["layout.cp=2", "train.micro_batch=4"], "dev"),
-    ("fsdp x4 mb2", 4, ["layout=fsdp", "train.micro_batch=2"], "dev"),
-    ("dp2 fsdp2", 4, ["layout.dp_replicate=2", "layout.dp_shard=2"], "dev"),
-    ("pp2 tp2 sp", 4, ["layout.pp=2", "layout.tp=2", "layout.sequence_parallel=true",
-                       "train.micro_batch=4"], "dev"),
-    ("cp4", 4, ["layout.cp=4"], "dev"),
-    ("fsdp mb4 over the link", "link", ["layout=fsdp", "train.micro_batch=4"], "dev"),
-    ("pp split 3-1 over the link", "link", ["layout=pp", "train.micro_batch=4",
-                                            "layout.stage_layers=[3,1]"], "dev"),
-    # The fourth held-out set (stop 40: 11.1%, Spearman 0.988), development since the probes'
-    # reference block (stop 41) was chosen after its run.
-    ("single recompute=full mb2 x8", 1, ["layout.recompute=full", "train.micro_batch=2"],
-     "dev"),
-    ("ddp recompute=full", 2, ["layout=ddp", "layout.recompute=full"], "dev"),
-    ("fsdp mb1 x8", 2, ["layout=fsdp", "train.micro_batch=1"], "dev"),
-    ("tp mb2 x8", 2, ["layout=tp", "train.micro_batch=2"], "dev"),
-    ("tp+sp mb8 x2", 2, ["layout=tp", "layout.sequence_parallel=true", "train.micro_batch=8"],
-     "dev"),
-    ("tp recompute=full", 2, ["layout=tp", "layout.recompute=full"], "dev"),
-    ("pp gpipe split 1-3", 2, ["layout=pp", "layout.pp_schedule=gpipe", "train.micro_batch=4",
-                               "layout.stage_layers=[1,3]"], "dev"),
-    ("pp interleaved v2 mb2 x8", 2, ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
-                                     "layout.virtual_stages=2", "train.micro_batch=2"],
-     "dev"),
-    ("cp mb2 x8", 2, ["layout.cp=2", "train.micro_batch=2"], "dev"),
-    ("dp2 tp2 mb4 x2", 4, ["layout.dp_replicate=2", "layout.tp=2", "train.micro_batch=4"],
-     "dev"),
-    ("fsdp2 tp2 sp", 4, ["layout.dp_shard=2", "layout.tp=2", "layout.sequence_parallel=true"],
-     "dev"),
-    ("dp2 cp2 recompute=full", 4, ["layout.dp_replicate=2", "layout.cp=2",
-                                   "layout.recompute=full"], "dev"),
-    ("tp4 sp", 4, ["layout.tp=4", "layout.sequence_parallel=true"], "dev"),
-    ("ddp x4 recompute=full", 4, ["layout=ddp", "layout.recompute=full"], "dev"),
-    ("pp2 dp2 mb2 x4", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=2"],
-     "dev"),
-    ("ddp mb2 over the link", "link", ["layout=ddp", "train.micro_batch=2"], "dev"),
-    ("cp mb8 over the link", "link", ["layout.cp=2", "train.micro_batch=8"], "dev"),
-    # The fifth held-out set (stop 41: 13.8%, Spearman 0.956), development since the profile's
-    # other ranks keeping busy where they outnumber the cores (stop 42) was chosen after its run.
-    ("single recompute=full mb1 x16", 1, ["layout.recompute=full", "train.micro_batch=1"],
-     "dev"),
-    ("ddp recompute=full mb8 x2", 2, ["layout=ddp", "layout.recompute=full",
-                                      "train.micro_batch=8"], "dev"),
-    ("fsdp recompute=full mb2 x4", 2, ["layout=fsdp", "layout.recompute=full",
-                                       "train.micro_batch=2"], "dev"),
-    ("tp+sp mb2 x8", 2, ["layout=tp", "layout.sequence_parallel=true", "train.micro_batch=2"],
-     "dev"),
-    ("tp recompute=full mb4 x4", 2, ["layout=tp", "layout.recompute=full",
-                                     "train.micro_batch=4"], "dev"),
-    ("cp recompute=full mb4 x4", 2, ["layout.cp=2", "layout.recompute=full",
-                                     "train.micro_batch=4"], "dev"),
-    ("pp interleaved v2 mb1 x16", 2, ["layout=pp", "layout.pp_schedule=interleaved_1f1b",
-                                      "layout.virtual_stages=2", "train.micro_batch=1"],
-     "dev"),
-    ("fsdp x4 mb1", 4, ["layout=fsdp", "train.micro_batch=1"], "dev"),
-    ("dp2 tp2 recompute=full", 4, ["layout.dp_replicate=2", "layout.tp=2",
-                                   "layout.recompute=full"], "dev"),
-    ("fsdp2 cp2", 4, ["layout.dp_shard=2", "layout.cp=2"], "dev"),
-    ("pp2 dp2 recompute=full", 4, ["layout.pp=2", "layout.dp_replicate=2", "train.micro_batch=4",
-                                   "layout.recompute=full"], "dev"),
-    ("pp4 mb2", 4, ["layout.pp=4", "train.micro_batch=2"], "dev"),
-    ("tp mb4 over the link", "link", ["layout=tp", "train.micro_batch=4"], "dev"),
-    ("fsdp recompute=full over the link", "link", ["layout=fsdp", "layout.recompute=full"],
-     "dev"),
-    # Held out: layouts no version of the cost model (the busy ranks beside the profile's
-    # timings included) was looked at on; defined in the commit before their first run.
-    ("single recompute=selective mb4 x4", 1, ["layout.recompute=selective",
-                                              "train.micro_batch=4"], "held-out"),
-    ("single recompute=selective_op mb8 x2", 1, ["layout.recompute=selective_op",
-                                                 "train.micro_batch=8"], "held-out"),
-    ("ddp mb8 x2", 2, ["layout=ddp", "train.micro_batch=8"], "held-out"),
-    ("fsdp recompute=full mb8 x2", 2, ["layout=fsdp", "layout.recompute=full",
-                                       "train.micro_batch=8"], "held-out"),
-    ("tp+sp recompute=full mb4 x4", 2, ["layout=tp", "layout.sequence_parallel=true",
-                                        "layout.recompute=full", "train.micro_batch=4"],
-     "held-out"),
-    ("pp 1f1b split 3-1 mb2 x8", 2, ["layout=pp", "train.micro_batch=2",
-                                     "layout.stage_layers=[3,1]"], "held-out"),
-    ("pp gpipe mb1 x16", 2, ["layout=pp", "layout.pp_schedule=gpipe", "train.micro_batch=1"],
-     "held-out"),
-    ("cp recompute=full mb2 x8", 2, ["layout.cp=2", "layout.recompute=full",
-                                     "train.micro_batch=2"], "held-out"),
-    ("ddp x4 mb1", 4, ["layout=ddp", "train.micro_batch=1"], "held-out"),
-    ("tp4 mb2", 4, ["layout.tp=4", "train.micro_batch=2"], "held-out"),
-    ("dp2 cp2 mb2", 4, ["layout.dp_replicate=2", "layout.cp=2", "train.micro_batch=2"],
-     "held-out"),
-    ("pp2 fsdp2 recompute=full", 4, ["layout.pp=2", "layout.dp_shard=2", "train.micro_batch=4",
-                                     "layout.recompute=full"], "held-out"),
-    ("pp4 recompute=full", 4, ["layout.pp=4", "train.micro_batch=4", "layout.recompute=full"],
-     "held-out"),
-    ("fsdp mb2 over the link", "link", ["layout=fsdp", "train.micro_batch=2"], "held-out"),
-    ("tp+sp mb2 over the link", "link", ["layout=tp", "layout.sequence_parallel=true",
-                                         "train.micro_batch=2"], "held-out"),
-]
 
 
 def base_overrides(steps: int, world: int) -> List[str]:

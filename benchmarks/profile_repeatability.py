@@ -44,7 +44,8 @@ def prices(conf: Path) -> Dict[str, List[float]]:
 
 
 def _price_here() -> Dict[str, List[float]]:
-    from profile_accuracy import LAYOUTS, base_overrides
+    from profile_accuracy import base_overrides
+    from profile_layouts import LAYOUTS
 
     from workbench import layout as layouts
     from workbench.compose import compose
