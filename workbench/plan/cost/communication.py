@@ -72,6 +72,12 @@ def exposed_s(total_s: np.ndarray, behind_s: np.ndarray, overlap: float) -> np.n
     return np.maximum(total_s * (1 - overlap), total_s - behind_s)
 
 
+# The forward's share of the engine's own per-layer cost (hooks, DTensor dispatch): a third,
+# as autograd's work falls (the backward runs about twice the forward's ops). A recomputed
+# forward pays that share again (workbench.plan.cost.stages).
+ENGINE_FORWARD_SHARE = 1.0 / 3.0
+
+
 @dataclass(frozen=True)
 class Communication:
     """Exposed seconds of one layer and micro-batch on one rank."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from workbench.layout import Layout
 from workbench.plan.cost.columns import Columns, layout_columns
-from workbench.plan.cost.communication import Communication
+from workbench.plan.cost.communication import ENGINE_FORWARD_SHARE, Communication
 from workbench.plan.cost.compute import Compute
 from workbench.plan.cost.measured import Measured
 from workbench.plan.cost.per_rank import PerRank
@@ -229,8 +229,10 @@ def with_residuals(comp: Compute, comm: Communication, extra: Arrays
     on the backward that redoes it, the per-micro-batch one beside the head and loss, tensor
     and context parallelism's on their own terms."""
     ends_bwd = comp.ends_bwd_s if comp.ends_bwd_s is not None else 2 * (comp.head_s + comp.loss_s)
-    comp = replace(comp, layer_fwd_s=comp.layer_fwd_s + extra["layer"] / 3,
-                   layer_bwd_s=comp.layer_bwd_s + 2 * extra["layer"] / 3 + extra["recompute"],
-                   head_s=comp.head_s + extra["micro_batch"] / 3,
-                   ends_bwd_s=ends_bwd + 2 * extra["micro_batch"] / 3)
+    fwd = ENGINE_FORWARD_SHARE
+    comp = replace(comp, layer_fwd_s=comp.layer_fwd_s + extra["layer"] * fwd,
+                   layer_bwd_s=comp.layer_bwd_s + extra["layer"] * (1 - fwd)
+                   + extra["recompute"],
+                   head_s=comp.head_s + extra["micro_batch"] * fwd,
+                   ends_bwd_s=ends_bwd + extra["micro_batch"] * (1 - fwd))
     return comp, replace(comm, tp_engine_s=extra["tp"], cp_engine_s=extra["cp"])

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from workbench.plan.cost.coefficients import Coefficients
-from workbench.plan.cost.communication import Communication, collective_link, group_bw
+from workbench.plan.cost.communication import (
+    ENGINE_FORWARD_SHARE,
+    Communication,
+    collective_link,
+    group_bw,
+)
 from workbench.plan.cost.compute import Compute
 from workbench.plan.cost.hardware import GpuSpec
 from workbench.plan.cost.measured_terms import measured_p2p
@@ -100,9 +105,13 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
     # comm.tp_s is one pass's 2 collectives; the backward's count without SP is the stack's
     bwd_tp = np.where(cols["sp"] > 0, 1.0, software.tp_bwd_allreduces(shape.gated_mlp) / 2.0)
     # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
+    # and a fully recomputed forward runs TP's and CP's forward again as the engine runs it
+    # (DTensor dispatch, the ring's steps): their engine cost's forward share, paid twice
+    redo = 1 + full_share * ENGINE_FORWARD_SHARE
     tp = comm.tp_s * (1 + bwd_tp + full_share + 0.5 * rank.op_policy * (cols["sp"] > 0)) \
-        + comm.tp_engine_s
-    cp = comm.cp_fwd_s * (1 + full_share + rank.op_policy) + comm.cp_bwd_s + comm.cp_engine_s
+        + comm.tp_engine_s * redo
+    cp = comm.cp_fwd_s * (1 + full_share + rank.op_policy) + comm.cp_bwd_s \
+        + comm.cp_engine_s * redo
     head = comp.head_s + comp.loss_s
     if software.gathered_logits:  # all-gather of the 16-bit logits over the TP group (forward)
         bw_tp, _ = collective_link(cols["tp"], 1, gpu, coeff)
