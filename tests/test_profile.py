@@ -272,6 +272,45 @@ def test_a_composed_probe_adds_what_composing_costs_beyond_its_kinds(workdir):
                             rel_tol=1e-9), other
 
 
+def test_a_recomputed_forward_pays_tps_engine_cost_again_its_forward_share(workdir):
+    """TP probed 3 ms a layer above its price (the engine's own cost: DTensor dispatch), every
+    other probe at exactly its price: a TP layout is priced 3 ms a layer more, and with full
+    recomputation a third more again, since the recomputed forward runs TP's forward (and its
+    dispatch) once more; a layout without TP is priced as without the probes."""
+    from workbench.plan.cost.communication import ENGINE_FORWARD_SHARE
+    from workbench.plan.cost.engine_residuals import PROBES, STEP_PARTS
+    _write_profile(workdir, "bare", world=2)
+    cfg = compose(["cluster=bare"])
+    table: dict = {k: [] for k in ("kind", "degree", "busy", "layers", "micro_batch", "tokens",
+                                   "step_s")}
+    for kind, degree in (("plain", 1), ("recompute", 1), ("tp", 2)):
+        for layers in (1, 3):
+            for mb in (1, 4):
+                est = estimate(replace(cfg.model, n_layers=layers), cfg.cluster, cfg.train,
+                               replace(PROBES[kind](degree), micro_batch=mb))
+                step = sum(est.time_s[k] for k in STEP_PARTS)
+                step += layers * 3e-3 if kind == "tp" else 0.0
+                for key, v in zip(table, (kind, degree, degree, layers, mb,
+                                          mb * cfg.model.seq_len, step)):
+                    table[key].append(v)
+    path = _write_profile(workdir, "probed", world=2)
+    data = yaml.safe_load(path.read_text())
+    data["profile"]["probes"] = [{"model": "gpt_tiny", "shape": block_key(model_shape(cfg.model)),
+                                  **table}]
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    probed = compose(["cluster=probed"]).cluster
+
+    def extra_s(**layout) -> float:
+        return (estimate(cfg.model, probed, cfg.train, Layout(**layout)).step_time_s
+                - estimate(cfg.model, cfg.cluster, cfg.train, Layout(**layout)).step_time_s)
+
+    per_layer = cfg.model.n_layers * 3e-3
+    assert math.isclose(extra_s(tp=2, micro_batch=4, grad_accum=4), 4 * per_layer, rel_tol=1e-6)
+    assert math.isclose(extra_s(tp=2, micro_batch=4, grad_accum=4, recompute="full"),
+                        4 * per_layer * (1 + ENGINE_FORWARD_SHARE), rel_tol=1e-6)
+    assert abs(extra_s(dp_replicate=2, micro_batch=8, recompute="full")) < 1e-9
+
+
 def test_a_probe_on_a_slower_machine_is_priced_at_the_speed_its_reference_measured(workdir):
     """Probes timed while the machine ran 1.5x slower than while its tables were timed (their
     compute 1.5x its price, their reference block 1.5x the table's): the engine's cost they
