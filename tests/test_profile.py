@@ -233,31 +233,39 @@ def test_profile_refuses_an_existing_file_and_a_bad_name(workdir):
         assert time.monotonic() - t0 < 60  # refused before anything is measured
 
 
-def test_a_composed_probe_adds_what_composing_costs_beyond_its_kinds(workdir):
-    """Single kinds probed at exactly their price (no residual) and DP x TP probed 2 ms a layer
-    and 1 ms a micro-batch above it: a DP x TP layout is priced that much more, per layer and
-    micro-batch, and layouts the composed probe does not describe are priced as before."""
+def _probed_at_their_price(workdir: Path, world: int, kinds: tuple, above) -> tuple:
+    """A profile ("bare") and the same with engine probes of `kinds` ((kind, degree) pairs),
+    each probe step at exactly its price plus `above(kind, layers)` seconds ("probed"): the
+    residuals the cost model then reads are known."""
     from workbench.plan.cost.engine_residuals import PROBES, STEP_PARTS
-    _write_profile(workdir, "bare", world=4)
+    _write_profile(workdir, "bare", world=world)
     cfg = compose(["cluster=bare"])
     table: dict = {k: [] for k in ("kind", "degree", "busy", "layers", "micro_batch", "tokens",
                                    "step_s")}
-    for kind, degree in (("plain", 1), ("tp", 2), ("ddp", 2), ("ddp_tp", 4)):
+    for kind, degree in kinds:
         for layers in (1, 3):
             for mb in (1, 4):
                 est = estimate(replace(cfg.model, n_layers=layers), cfg.cluster, cfg.train,
                                replace(PROBES[kind](degree), micro_batch=mb))
-                step = sum(est.time_s[k] for k in STEP_PARTS)
-                step += layers * 2e-3 + 1e-3 if kind == "ddp_tp" else 0.0
+                step = sum(est.time_s[k] for k in STEP_PARTS) + above(kind, layers)
                 for key, v in zip(table, (kind, degree, degree, layers, mb,
                                           mb * cfg.model.seq_len, step)):
                     table[key].append(v)
-    path = _write_profile(workdir, "probed", world=4)
+    path = _write_profile(workdir, "probed", world=world)
     data = yaml.safe_load(path.read_text())
     data["profile"]["probes"] = [{"model": "gpt_tiny", "shape": block_key(model_shape(cfg.model)),
                                   **table}]
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    probed = compose(["cluster=probed"]).cluster
+    return cfg, compose(["cluster=probed"]).cluster
+
+
+def test_a_composed_probe_adds_what_composing_costs_beyond_its_kinds(workdir):
+    """Single kinds probed at exactly their price (no residual) and DP x TP probed 2 ms a layer
+    and 1 ms a micro-batch above it: a DP x TP layout is priced that much more, per layer and
+    micro-batch, and layouts the composed probe does not describe are priced as before."""
+    cfg, probed = _probed_at_their_price(
+        workdir, 4, (("plain", 1), ("tp", 2), ("ddp", 2), ("ddp_tp", 4)),
+        lambda kind, layers: layers * 2e-3 + 1e-3 if kind == "ddp_tp" else 0.0)
 
     def step_s(cluster, **layout) -> float:
         return estimate(cfg.model, cluster, cfg.train, Layout(**layout)).step_time_s
@@ -278,27 +286,9 @@ def test_a_recomputed_forward_pays_tps_engine_cost_again_its_forward_share(workd
     recomputation a third more again, since the recomputed forward runs TP's forward (and its
     dispatch) once more; a layout without TP is priced as without the probes."""
     from workbench.plan.cost.communication import ENGINE_FORWARD_SHARE
-    from workbench.plan.cost.engine_residuals import PROBES, STEP_PARTS
-    _write_profile(workdir, "bare", world=2)
-    cfg = compose(["cluster=bare"])
-    table: dict = {k: [] for k in ("kind", "degree", "busy", "layers", "micro_batch", "tokens",
-                                   "step_s")}
-    for kind, degree in (("plain", 1), ("recompute", 1), ("tp", 2)):
-        for layers in (1, 3):
-            for mb in (1, 4):
-                est = estimate(replace(cfg.model, n_layers=layers), cfg.cluster, cfg.train,
-                               replace(PROBES[kind](degree), micro_batch=mb))
-                step = sum(est.time_s[k] for k in STEP_PARTS)
-                step += layers * 3e-3 if kind == "tp" else 0.0
-                for key, v in zip(table, (kind, degree, degree, layers, mb,
-                                          mb * cfg.model.seq_len, step)):
-                    table[key].append(v)
-    path = _write_profile(workdir, "probed", world=2)
-    data = yaml.safe_load(path.read_text())
-    data["profile"]["probes"] = [{"model": "gpt_tiny", "shape": block_key(model_shape(cfg.model)),
-                                  **table}]
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    probed = compose(["cluster=probed"]).cluster
+    cfg, probed = _probed_at_their_price(
+        workdir, 2, (("plain", 1), ("recompute", 1), ("tp", 2)),
+        lambda kind, layers: layers * 3e-3 if kind == "tp" else 0.0)
 
     def extra_s(**layout) -> float:
         return (estimate(cfg.model, probed, cfg.train, Layout(**layout)).step_time_s
