@@ -191,6 +191,15 @@ def default_run(conf: Path, work: Path) -> Dict[str, float]:
     return {"pred_s": run.data.metrics["pred/step_time_s"], "measured_s": measured}
 
 
+def splits(rows: List[Dict[str, Any]], with_all: bool) -> List[tuple]:
+    """The parts the report scores (all rows, development, held out), those with two rows or
+    more (a Spearman needs two)."""
+    parts = [("all", rows)] if with_all else []
+    parts += [("development", [r for r in rows if r["split"] == "dev"]),
+              ("held-out", [r for r in rows if r["split"] != "dev"])]
+    return [(label, part) for label, part in parts if len(part) >= 2]
+
+
 def at_row_speed(rows: List[Dict[str, Any]], marks: List[Dict[str, Any]]) -> None:
     """Print the errors as they would read had the machine run the rows at the profile's speed:
     each price scaled by the reference layout's time around its rows over its time around its
@@ -202,13 +211,11 @@ def at_row_speed(rows: List[Dict[str, Any]], marks: List[Dict[str, Any]]) -> Non
     rows = [r for r in rows if "speed_at" in r and max(r["speed_at"]) < len(marks)]
     for r in rows:
         r["at_row_speed_s"] = r["profile_s"] * speed(r["speed_at"]) / speed(r["profiled_at"])
-    for label, part in (("development", [r for r in rows if r["split"] == "dev"]),
-                        ("held-out", [r for r in rows if r["split"] != "dev"])):
-        if len(part) >= 2:
-            p = summary(part, "at_row_speed_s")
-            print(f"{label:<12} {len(part):>2} layouts at the speed measured beside them "
-                  f"(diagnostic): median error {p['median_abs_err']:.1%} (max "
-                  f"{p['max_abs_err']:.1%}), Spearman {p['spearman']:.3f}")
+    for label, part in splits(rows, with_all=False):
+        p = summary(part, "at_row_speed_s")
+        print(f"{label:<12} {len(part):>2} layouts at the speed measured beside them "
+              f"(diagnostic): median error {p['median_abs_err']:.1%} (max "
+              f"{p['max_abs_err']:.1%}), Spearman {p['spearman']:.3f}")
 
 
 def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool,
@@ -221,10 +228,7 @@ def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool,
               f"{r['profile_s'] * 1e3:>8.1f}ms{100 * (r['profile_s'] / m - 1):>+7.1f}%"
               f"{r['datasheet_s'] * 1e3:>9.1f}ms{100 * (r['datasheet_s'] / m - 1):>+7.1f}%")
     print()
-    for label, part in (("all", rows), ("development", [r for r in rows if r["split"] == "dev"]),
-                        ("held-out", [r for r in rows if r["split"] != "dev"])):
-        if len(part) < 2:
-            continue
+    for label, part in splits(rows, with_all=True):
         p, d = summary(part, "profile_s"), summary(part, "datasheet_s")
         print(f"{label:<12} {len(part):>2} layouts: profile median error "
               f"{p['median_abs_err']:.1%} (max {p['max_abs_err']:.1%}), Spearman "
@@ -254,6 +258,14 @@ def report(rows: List[Dict[str, Any]], default: Dict[str, float], quick: bool,
     return ok and steady
 
 
+def between(rows: List[Dict[str, Any]], marks: List[Dict[str, Any]],
+            profiled_at: List[int]) -> None:
+    """Record, on rows just measured, the marks around their profile and around themselves:
+    the last mark before them and the next one, taken right after this call."""
+    for row in rows:
+        row.update(profiled_at=profiled_at, speed_at=[len(marks) - 1, len(marks)])
+
+
 def profile_and_measure(rows: List[Dict[str, Any]], conf: Path, root: Path, steps: int,
                         args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Profile, then measure every set of rows, with the reference layout measured before and
@@ -270,9 +282,8 @@ def profile_and_measure(rows: List[Dict[str, Any]], conf: Path, root: Path, step
         print(f"measuring the layouts of {world} rank(s) ...", file=sys.stderr, flush=True)
         part = [r for r in rows if r["world"] == world]
         measure(world, part, steps, root, None, rounds)
+        between(part, marks, profiled_at=[0, 1])
         speed_mark(marks, f"after the {world}-rank rows", steps, root)
-        for row in part:
-            row.update(profiled_at=[0, 1], speed_at=[len(marks) - 2, len(marks) - 1])
     with netns.LimitedLink(2, args.rate_mbit) as link:
         print(f"profiling and measuring over a {args.rate_mbit:g} Mbit/s link ...",
               file=sys.stderr, flush=True)
@@ -281,10 +292,8 @@ def profile_and_measure(rows: List[Dict[str, Any]], conf: Path, root: Path, step
         speed_mark(marks, "after the link's profile", steps, root)
         part = [r for r in rows if r["world"] == "link"]
         measure("link", part, steps, root, link, rounds)
+    between(part, marks, profiled_at=[len(marks) - 2, len(marks) - 1])
     speed_mark(marks, "after the link's rows", steps, root)
-    for row in part:
-        row.update(profiled_at=[len(marks) - 3, len(marks) - 2],
-                   speed_at=[len(marks) - 2, len(marks) - 1])
     return marks
 
 

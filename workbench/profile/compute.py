@@ -99,8 +99,8 @@ def keep_busy(cfg: ModelConfig, dtype: str, device: torch.device, threads: int,
               done: Callable[[], bool]) -> None:
     """Compute as a rank of a run does (one sequence through a block, forward and backward,
     over and over) until `done`: while one rank times, the others sharing its cores keep them
-    as busy as a run's ranks would, every moment of every timing alike (why: `rank.
-    oversubscribed`, where it is used)."""
+    as busy as a run's ranks would, every moment of every timing alike (why:
+    `rank.oversubscribed`, where it is used)."""
     torch.set_num_threads(threads)
     work = block_ops(cfg, 1, cfg.seq_len, dtype, device)["both"]
     while not done():

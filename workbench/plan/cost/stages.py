@@ -104,10 +104,11 @@ def stage(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Softwa
         + rank.op_policy * op_layer
     # comm.tp_s is one pass's 2 collectives; the backward's count without SP is the stack's
     bwd_tp = np.where(cols["sp"] > 0, 1.0, software.tp_bwd_allreduces(shape.gated_mlp) / 2.0)
-    # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
-    # and a fully recomputed forward runs TP's and CP's forward again as the engine runs it
-    # (DTensor dispatch, the ring's steps): their engine cost's forward share, paid twice
+    # A fully recomputed forward runs TP's and CP's forward again as the engine runs it
+    # (DTensor dispatch, the ring's steps): their engine cost's forward share, paid twice.
+    # FSDP's is not: its parameters are already gathered for the backward that recomputes.
     redo = 1 + full_share * ENGINE_FORWARD_SHARE
+    # the op policy redoes the SP all-gathers (half of a pass's TP traffic), keeps reductions
     tp = comm.tp_s * (1 + bwd_tp + full_share + 0.5 * rank.op_policy * (cols["sp"] > 0)) \
         + comm.tp_engine_s * redo
     cp = comm.cp_fwd_s * (1 + full_share + rank.op_policy) + comm.cp_bwd_s \
