@@ -233,24 +233,29 @@ def test_profile_refuses_an_existing_file_and_a_bad_name(workdir):
         assert time.monotonic() - t0 < 60  # refused before anything is measured
 
 
-def _probed_at_their_price(workdir: Path, world: int, kinds: tuple, above) -> tuple:
+def _probed_at_their_price(workdir: Path, world: int, kinds: tuple, above,
+                           opt_above=None) -> tuple:
     """A profile ("bare") and the same with engine probes of `kinds` ((kind, degree) pairs),
-    each probe step at exactly its price plus `above(kind, layers)` seconds ("probed"): the
+    each probe step at exactly its price plus `above(kind, layers)` seconds, and with
+    `opt_above` its optimizer step at its price plus `opt_above(kind, layers)` ("probed"): the
     residuals the cost model then reads are known."""
     from workbench.plan.cost.engine_residuals import PROBES, STEP_PARTS
     _write_profile(workdir, "bare", world=world)
     cfg = compose(["cluster=bare"])
     table: dict = {k: [] for k in ("kind", "degree", "busy", "layers", "micro_batch", "tokens",
-                                   "step_s")}
+                                   "step_s", "opt_s")}
     for kind, degree in kinds:
         for layers in (1, 3):
             for mb in (1, 4):
                 est = estimate(replace(cfg.model, n_layers=layers), cfg.cluster, cfg.train,
                                replace(PROBES[kind](degree), micro_batch=mb))
                 step = sum(est.time_s[k] for k in STEP_PARTS) + above(kind, layers)
+                opt = est.time_s["time_optimizer_s"] + (opt_above or above)(kind, layers)
                 for key, v in zip(table, (kind, degree, degree, layers, mb,
-                                          mb * cfg.model.seq_len, step)):
+                                          mb * cfg.model.seq_len, step, opt)):
                     table[key].append(v)
+    if opt_above is None:  # a profile before the optimizer's timing
+        del table["opt_s"]
     path = _write_profile(workdir, "probed", world=world)
     data = yaml.safe_load(path.read_text())
     data["profile"]["probes"] = [{"model": "gpt_tiny", "shape": block_key(model_shape(cfg.model)),
@@ -299,6 +304,32 @@ def test_a_recomputed_forward_pays_tps_engine_cost_again_its_forward_share(workd
     assert math.isclose(extra_s(tp=2, micro_batch=4, grad_accum=4, recompute="full"),
                         4 * per_layer * (1 + ENGINE_FORWARD_SHARE), rel_tol=1e-6)
     assert abs(extra_s(dp_replicate=2, micro_batch=8, recompute="full")) < 1e-9
+
+
+def test_the_engines_optimizer_step_is_priced_as_its_probes_measured_it(workdir):
+    """The plain probe's optimizer step 0.5 ms a layer + 2 ms above the priced update, TP's
+    1 ms a layer + 6 ms above, DDP's at its price: one rank's step is priced the plain probe's
+    more, TP's (its DTensors' clipping and AdamW) TP's, replication's none; the steps' own
+    residuals are untouched (every probe step at its price)."""
+    def opt_above(kind: str, layers: int) -> float:
+        return {"plain": layers * 0.5e-3 + 2e-3, "tp": layers * 1e-3 + 6e-3}.get(kind, 0.0)
+
+    cfg, probed = _probed_at_their_price(
+        workdir, 2, (("plain", 1), ("tp", 2), ("ddp", 2)), lambda kind, layers: 0.0,
+        opt_above)
+
+    def extra_s(**layout) -> tuple:
+        a, b = (estimate(cfg.model, c, cfg.train, Layout(**layout)) for c in (probed, cfg.cluster))
+        return a.step_time_s - b.step_time_s, a.time_s["time_optimizer_s"] \
+            - b.time_s["time_optimizer_s"]
+
+    layers = cfg.model.n_layers
+    for layout, expect in ((dict(micro_batch=16), layers * 0.5e-3 + 2e-3),
+                           (dict(tp=2, micro_batch=8, grad_accum=2), layers * 1e-3 + 6e-3),
+                           (dict(dp_replicate=2, micro_batch=8), 0.0)):
+        step, optimizer = extra_s(**layout)
+        assert math.isclose(optimizer, expect, abs_tol=1e-9), (layout, optimizer, expect)
+        assert math.isclose(step, expect, abs_tol=1e-9), (layout, step, expect)
 
 
 def test_a_probe_on_a_slower_machine_is_priced_at_the_speed_its_reference_measured(workdir):

@@ -120,6 +120,9 @@ class ProbeTable:
     # the rank's block at the row's tokens, forward and backward without the engine, timed
     # beside the probe's steps (its speed at that moment); empty in profiles before it
     ref_s: List[float] = field(default_factory=list)
+    # the engine's optimizer step after the probe's step (its gradient clipping, AdamW over its
+    # parameters, zeroing: as the loop runs it); empty in profiles before it
+    opt_s: List[float] = field(default_factory=list)
     dtype: str = ""  # what the probes computed in (the reference's block table)
 
 

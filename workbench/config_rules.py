@@ -130,7 +130,7 @@ def _validate_profile(cluster: ClusterConfig) -> None:
                for i, level in enumerate(prof.compute)]
     tables += [(f"{key}.comms[{i}]", c, ("bytes", "s")) for i, c in enumerate(prof.comms)]
     tables += [(f"{key}.probes[{i}]", p, _PROBE_COLS + (("busy",) if p.busy else ())
-               + (("ref_s",) if p.ref_s else ()))
+               + (("ref_s",) if p.ref_s else ()) + (("opt_s",) if p.opt_s else ()))
                for i, p in enumerate(prof.probes)]
     for where, table, cols in tables:
         lengths = {len(getattr(table, c)) for c in cols}

@@ -6,7 +6,11 @@ The GEMM, block and collective curves price what a layer computes and sends; a C
 pays, per layer and per micro-batch, for what the engine does around them (Python hooks,
 DTensor dispatch, FSDP2's copies, autograd's graph). Half their difference is one layer as the
 engine runs it, which the cost model compares with its own price of the same
-probe (workbench.plan.cost.engine_residuals).
+probe (workbench.plan.cost.engine_residuals). After each step the engine's optimizer step is
+timed too, as the loop runs it (gradient clipping over the engine's shards, AdamW over its
+parameters, gradients set to None): over DTensors it costs a multiple of the plain model's
+update the compute tables time, and the loop's next backward allocates fresh gradients, as the
+probe's then does.
 
 Each degree k is probed by k ranks of the job in a process group of their own (the job's ranks
 beyond k wait), so that as many ranks compute as a run of k ranks would; on a CPU, where ranks
@@ -38,6 +42,7 @@ from workbench.profile.compute import block_ops, keep_busy
 from workbench.profile.rank import oversubscribed
 from workbench.train.engine.mesh_engine import make_engine
 from workbench.train.model import build
+from workbench.train.optimizer import make_optimizer
 from workbench.train.parallel import comm
 
 Progress = Callable[[str], None]
@@ -79,8 +84,8 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                  micro_batches: List[int], device: torch.device, show: Progress,
                  busy: int, reps: int = 7) -> List[Dict[str, Any]]:
     """Every kind of this degree, on models of 1 and 3 layers, at every micro-batch: the two
-    and the reference timed in turn, `reps` times each (so a slow spell of the machine falls
-    on all three), medians."""
+    (each step, then its optimizer step) and the reference timed in turn, `reps` times each
+    (so a slow spell of the machine falls on all three), medians."""
     rows = []
     dtype = compute_dtype(cfg.train, cfg.cluster)
     for kind, layout in kinds(degree, model).items():
@@ -88,26 +93,29 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
         engines = {}
         for layers in LAYERS:
             one = replace(model, n_layers=layers)
-            engines[layers] = (one, make_engine(build(one, cfg.train.seed), replace(cfg, model=one),
-                                                layout, rank, device, comm.ByteCounter()))
+            engine = make_engine(build(one, cfg.train.seed), replace(cfg, model=one), layout,
+                                 rank, device, comm.ByteCounter())
+            engines[layers] = (one, engine, _optimizer_step(engine, cfg, device))
         steps: Dict[Any, Callable[[], object]] = {}
         for mb in micro_batches:
             tokens = mb * model.seq_len // layout.cp
             steps = {
                 n: (lambda e=engine, b=_batch(one, mb, device): e.train_step(b))
-                for n, (one, engine) in engines.items()}
+                for n, (one, engine, _) in engines.items()}
             steps["ref"] = block_ops(model, layout.tp, tokens, dtype, device)["both"]
-            times: Dict[Any, List[float]] = {n: [] for n in steps}
-            for fn in steps.values():  # warm-up
-                fn()
-            for _ in range(reps):
+            times: Dict[Any, List[float]] = {n: [] for n in [*steps, *[("opt", n)
+                                                                        for n in engines]]}
+            for _ in range(reps + 1):  # the first round warms up
                 for n, fn in steps.items():
                     times[n].append(_timed(fn))
+                    if n in engines:
+                        times[("opt", n)].append(_timed(engines[n][2]))
             for n in LAYERS:
                 rows.append({"model": model.name, "kind": kind, "degree": degree,
                              "busy": busy, "layers": n, "micro_batch": mb, "tokens": tokens,
-                             "step_s": statistics.median(times[n]),
-                             "ref_s": statistics.median(times["ref"]), "dtype": dtype})
+                             "step_s": statistics.median(times[n][1:]),
+                             "ref_s": statistics.median(times["ref"][1:]),
+                             "opt_s": statistics.median(times[("opt", n)][1:]), "dtype": dtype})
         # gone while their process group lives: a parallelized model holds the group in
         # reference cycles, and one collected after the group's end (or at the interpreter's)
         # aborted a rank now and then ("terminate called without an active exception")
@@ -115,6 +123,19 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
         steps.clear()
         gc.collect()
     return rows
+
+
+def _optimizer_step(engine: Any, cfg: RunConfig, device: torch.device) -> Callable[[], None]:
+    """The loop's update after a step: clip over the engine's shards and stages, AdamW (as
+    training builds it) over the engine's parameters, gradients set to None."""
+    opt = make_optimizer(list(engine.view.parameters()), cfg, fused=device.type == "cuda")
+
+    def step() -> None:
+        if cfg.train.grad_clip > 0:
+            engine.clip_grad_norm(cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def busy_counts(degree: int, world: int, device: torch.device) -> List[int]:

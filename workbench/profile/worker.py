@@ -77,7 +77,7 @@ def probe_tables(rows: List[Dict[str, Any]], spec: ProfileSpec) -> List[Dict[str
         mine = [r for r in rows if r["model"] == model.name]
         table: Dict[str, Any] = {"model": model.name, "shape": block_key(model_shape(model))}
         for col in ("kind", "degree", "busy", "layers", "micro_batch", "tokens", "step_s",
-                    "ref_s"):
+                    "ref_s", "opt_s"):
             table[col] = [r[col] for r in mine]
         table["dtype"] = mine[0]["dtype"] if mine else ""
         out.append(table)

@@ -10,7 +10,10 @@ probe's residuals, and for each kind of parallelism it uses the difference its k
 made, at its degree (the nearest probed). On a CPU the engine's work runs on the cores the
 ranks share: each degree was probed alone and again with every rank of the profile busy, and a
 layout takes the probe whose count of busy ranks is nearest its own, scaled by the ratio of
-oversubscription only where a layout puts more ranks on the cores than any probe did. A probe's
+oversubscription only where a layout puts more ranks on the cores than any probe did. The
+engine's optimizer step after each probe step is residual the same way, per layer and per
+step, beyond the optimizer the compute tables price (the plain model's update): over DTensors
+its clipping and AdamW dispatch per shard. A probe's
 compute is priced at the speed its reference block ran beside it (probes.py), so that a machine
 slower or faster while the probes ran than while the tables were timed is not taken for the
 engine's cost. No run is fitted: the probes are part of the profile, measured before any run
@@ -19,7 +22,7 @@ they price.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Tuple
 
 import numpy as np
@@ -49,6 +52,7 @@ COMPOSED = ("ddp_tp", "fsdp_tp", "ddp_cp", "hsdp")
 STEP_PARTS = ("time_fwd_s", "time_bwd_s", "time_recompute_s", "time_tp_comm_s",
               "time_cp_comm_s", "time_pp_p2p_s", "time_dp_comm_exposed_s")
 COMPUTE_PARTS = ("time_fwd_s", "time_bwd_s", "time_recompute_s")
+TABLES = ("layer", "micro_batch", "opt_layer", "opt_step")  # Residuals' curves
 Curve = Tuple[np.ndarray, np.ndarray]
 Key = Tuple[str, int, int]  # kind, degree, ranks busy while it was probed
 
@@ -62,11 +66,14 @@ def _nearest(values: list, target: float) -> int:
 @dataclass(frozen=True)
 class Residuals:
     """Per (kind, degree, ranks busy): the engine's own seconds per layer and per micro-batch,
-    over the probe's tokens per rank; and the cores of the host the probes ran on."""
+    over the probe's tokens per rank, and its optimizer step's per layer and per step (flat
+    in tokens); and the cores of the host the probes ran on."""
 
     layer: Dict[Key, Curve]
     micro_batch: Dict[Key, Curve]
     cores: int
+    opt_layer: Dict[Key, Curve] = field(default_factory=dict)
+    opt_step: Dict[Key, Curve] = field(default_factory=dict)
 
     def at(self, table: str, kind: str, degree: np.ndarray, tokens: np.ndarray,
            busy: np.ndarray) -> np.ndarray:
@@ -106,18 +113,19 @@ def residuals(measured: Measured, shape: ModelShape, price: Price) -> Residuals 
     cached = measured.cache.get(("residuals", key))
     if cached is not None:
         return cached
-    layer: Dict[Key, Curve] = {}
-    per_mb: Dict[Key, Curve] = {}
+    tables: Dict[str, Dict[Key, Curve]] = {t: {} for t in TABLES}
     for composed in (False, True):
-        single = Residuals(dict(layer), dict(per_mb), measured.cores) if composed else None
+        single = Residuals(**{t: dict(v) for t, v in tables.items()}, cores=measured.cores) \
+            if composed else None
         for (kind, degree, busy), by_layers in rows.items():
             if kind not in PROBES or set(by_layers) != {1, 3} or (kind in COMPOSED) != composed:
                 continue
             speed = _speed(measured, shape, kind, degree, busy, by_layers)
-            one_layer, mb_curve = _probe_residual(shape, kind, degree, busy, by_layers, speed,
-                                                  lambda s, c, r=single: price(s, c, r))
-            layer[(kind, degree, busy)], per_mb[(kind, degree, busy)] = one_layer, mb_curve
-    out = Residuals(layer, per_mb, measured.cores)
+            lines = _probe_residual(shape, kind, degree, busy, by_layers, speed,
+                                    lambda s, c, r=single: price(s, c, r))
+            for table, line in lines.items():
+                tables[table][(kind, degree, busy)] = line
+    out = Residuals(**tables, cores=measured.cores)
     measured.cache[("residuals", key)] = out
     return out
 
@@ -130,7 +138,7 @@ def _speed(measured: Measured, shape: ModelShape, kind: str, degree: int, busy: 
     key, dtype = block_key(shape), measured.probe_dtype.get(block_key(shape), "")
     block = measured.level(busy).blocks.get((key, dtype))
     out = {}
-    for mb, (tokens, _, ref_s) in by_layers[1].items():
+    for mb, (tokens, _, ref_s, _) in by_layers[1].items():
         parts = [block.seconds(p, np.array([tokens]), np.array([float(PROBES[kind](degree).tp)]))
                  for p in (1, 2)] if block is not None and ref_s > 0 else [None]
         out[mb] = 1.0 if any(p is None for p in parts) else ref_s / float(sum(parts)[0])
@@ -139,19 +147,31 @@ def _speed(measured: Measured, shape: ModelShape, kind: str, degree: int, busy: 
 
 def _probe_residual(shape: ModelShape, kind: str, degree: int, busy: int, by_layers: dict,
                     speed: Dict[int, float], price: Callable[[ModelShape, Columns], Arrays]
-                    ) -> tuple[Curve, Curve]:
-    """One probe's residual lines, per layer and per micro-batch: its time beyond its price,
-    the price's compute at the speed its reference measured (`speed`, per micro-batch)."""
+                    ) -> Dict[str, Curve]:
+    """One probe's residual lines by table (TABLES): its time beyond its price, the price's
+    compute at the speed its reference measured (`speed`, per micro-batch), per layer and per
+    micro-batch; its optimizer step's beyond the priced one (where measured), per layer and
+    per step, the median over the micro-batches (an update does not see the tokens)."""
     mbs = sorted(set(by_layers[1]) & set(by_layers[3]))
     cols = layout_columns([replace(PROBES[kind](degree), micro_batch=mb) for mb in mbs])
     cols["busy"] = np.full(len(mbs), float(busy))  # priced as it ran: beside the others
     at = np.array([speed.get(mb, 1.0) for mb in mbs])
-    priced = {n: _step(price(replace(shape, n_layers=n), cols), at) for n in (1, 3)}
-    measured_1 = np.array([by_layers[1][mb][1] for mb in mbs])
-    measured_3 = np.array([by_layers[3][mb][1] for mb in mbs])
+    terms = {n: price(replace(shape, n_layers=n), cols) for n in (1, 3)}
     tokens = np.array([by_layers[1][mb][0] for mb in mbs], float)
-    one_layer = ((measured_3 - measured_1) - (priced[3] - priced[1])) / 2
-    return _line(tokens, one_layer), _line(tokens, measured_1 - priced[1] - one_layer)
+    out = {}
+    for table, column, priced in (("", 1, {n: _step(t, at) for n, t in terms.items()}),
+                                  ("opt_", 3, {n: t["time_optimizer_s"]
+                                               for n, t in terms.items()})):
+        measured = {n: np.array([by_layers[n][mb][column] for mb in mbs]) for n in (1, 3)}
+        if not (measured[1] > 0).all():
+            continue  # a profile before the optimizer's timing
+        one_layer = ((measured[3] - measured[1]) - (priced[3] - priced[1])) / 2
+        rest = measured[1] - priced[1] - one_layer
+        if table:  # flat in tokens
+            one_layer, rest = (np.full(len(mbs), np.median(x)) for x in (one_layer, rest))
+        out[f"{table}layer"] = _line(tokens, one_layer)
+        out["opt_step" if table else "micro_batch"] = _line(tokens, rest)
+    return out
 
 
 def _line(tokens: np.ndarray, seconds: np.ndarray) -> Curve:
@@ -172,8 +192,9 @@ def _step(terms: Arrays, speed: np.ndarray | float = 1.0) -> np.ndarray:
 def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:
     """Each row's residuals, by the term they belong to: per layer and micro-batch `layer`
     (the plain probe's, on the layer's compute), `recompute`, `tp`, `cp`; per micro-batch
-    `micro_batch`; and the data-parallel kinds' per layer `fsdp` (each micro-batch) and `ddp`
-    (once a step)."""
+    `micro_batch`; the data-parallel kinds' per layer `fsdp` (each micro-batch) and `ddp`
+    (once a step); and the optimizer step's per layer `opt_layer` and per step `opt_step` (the
+    plain probe's, and each kind's difference from it, as the micro-batch's)."""
     cols, tokens = rank.cols, rank.tokens
     one = np.ones(len(tokens))
     busy = np.asarray(world, float)  # ranks sharing the cores in the layout priced
@@ -201,15 +222,36 @@ def row_residuals(res: Residuals, rank: PerRank, world: np.ndarray) -> Arrays:
     for kind in ("tp", "cp", "fsdp"):  # their per-micro-batch differences, once per micro-batch
         degree = cols[kind] if kind != "fsdp" else cols["dps"]
         out["micro_batch"] = out["micro_batch"] + delta("micro_batch", kind, degree, degree > 1)
+    out.update(_optimizer(res, rank, busy, tp_kind))
     # what composing two kinds adds (FSDP2 over the other kind's DTensors), per layer on the
     # data-parallel term and per micro-batch, where a composed probe measured it
     degree = cols["dpr"] * cols["dps"] * cols["tp"] * cols["cp"]
     for kind, on in composed_rows(cols).items():
         if on.any():
-            out["fsdp"] = out["fsdp"] + np.where(on, res.at("layer", kind, degree, tokens,
-                                                            busy), 0.0)
-            out["micro_batch"] = out["micro_batch"] + np.where(
-                on, res.at("micro_batch", kind, degree, tokens, busy), 0.0)
+            for name, table in (("fsdp", "layer"), ("micro_batch", "micro_batch"),
+                                ("opt_layer", "opt_layer"), ("opt_step", "opt_step")):
+                out[name] = out[name] + np.where(on, res.at(table, kind, degree, tokens, busy),
+                                                 0.0)
+    return out
+
+
+def _optimizer(res: Residuals, rank: PerRank, busy: np.ndarray, tp_kind: np.ndarray
+               ) -> Arrays:
+    """The optimizer step's residuals per layer and per step: the plain probe's, and for each
+    kind a layout uses, the difference its probe made at its degree."""
+    cols, tokens = rank.cols, rank.tokens
+    one = np.ones(len(tokens))
+    out = {}
+    for table in ("opt_layer", "opt_step"):
+        base = res.at(table, "plain", one, tokens, busy)
+        total = base.copy()
+        for kind, degree in (("tp", cols["tp"]), ("cp", cols["cp"]),
+                             ("fsdp", cols["dps"]), ("ddp", rank.reduce_ranks)):
+            own = res.at(table, kind, degree, tokens, busy)
+            if kind == "tp":
+                own = np.where(tp_kind > 0, res.at(table, "tp_sp", degree, tokens, busy), own)
+            total = total + np.where(degree > 1, own - base, 0.0)
+        out[table] = total
     return out
 
 

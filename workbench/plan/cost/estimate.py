@@ -88,6 +88,8 @@ def evaluate(shape: ModelShape, gpu: GpuSpec, coeff: Coefficients, software: Sof
             shape, coeff, software, rank, st.shard_params, st.weight_bytes, st.fwd_s, st.bwd_s,
             rank.measured.one_host, gpu.gpus_per_node)
         optimizer_s = measured_optimizer_s(rank, st.shard_params, software.dist_optimizer)
+        if extra:  # the engine's update beyond the plain model's: per layer of the fullest rank
+            optimizer_s = optimizer_s + rank.layers_most * extra["opt_layer"] + extra["opt_step"]
         if extra:  # the data-parallel kinds' engine cost, per layer: FSDP's per micro-batch
             in_pipe = cols["pp"] > 1  # (once a step in a pipeline), replication's once a step
             engine_dp = rank.layers_most * (np.where(in_pipe, 1.0, cols["ga"]) * extra["fsdp"]

@@ -19,7 +19,8 @@ from workbench.config_profile import BlockTable, ClusterProfile, ComputeLevel, G
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 ProbeKey = Tuple[str, int, int]  # kind, degree, ranks busy
-ProbeRow = Tuple[float, float, float]  # tokens per rank, step s, reference s
+# tokens per rank, step s, reference s, optimizer step s (0: not measured)
+ProbeRow = Tuple[float, float, float, float]
 
 
 def loglog(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -145,7 +146,7 @@ class Measured:
         field(default_factory=dict)  # (kind, span) -> group -> ranks busy -> (bytes, s)
     fixed_bytes: float = 0.0  # memory a process holds before any model
     # engine probes by block shape: (kind, degree, ranks busy) -> layers -> micro-batch ->
-    # (tokens, s, reference s: the block timed beside the probe, 0 where not)
+    # (tokens, s, reference s: the block timed beside the probe, optimizer step s; 0: not)
     probes: Dict[str, Dict[ProbeKey, Dict[int, Dict[int, ProbeRow]]]] = \
         field(default_factory=dict)
     probe_dtype: Dict[str, str] = field(default_factory=dict)  # by block shape
@@ -165,11 +166,12 @@ class Measured:
             mine = probes.setdefault(table.shape, {})
             busy = table.busy or table.degree  # a profile before busy probes: the degree alone
             ref = table.ref_s or [0.0] * len(table.kind)  # ... before the reference: none
-            for kind, degree, b, layers, mb, tok, s, r in zip(
+            opt = table.opt_s or [0.0] * len(table.kind)  # ... before the optimizer's: none
+            for kind, degree, b, layers, mb, tok, s, r, o in zip(
                     table.kind, table.degree, busy, table.layers, table.micro_batch,
-                    table.tokens, table.step_s, ref):
+                    table.tokens, table.step_s, ref, opt):
                 mine.setdefault((kind, int(degree), int(b)), {}).setdefault(
-                    int(layers), {})[int(mb)] = (float(tok), float(s), float(r))
+                    int(layers), {})[int(mb)] = (float(tok), float(s), float(r), float(o))
         return cls(source=f"profile of {meta.host}, {meta.when}",
                    levels=tuple(sorted((Level.of(lv) for lv in profile.compute),
                                        key=lambda lv: lv.ranks)),
