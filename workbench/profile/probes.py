@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -42,7 +43,7 @@ from workbench.profile.compute import block_ops, keep_busy
 from workbench.profile.rank import oversubscribed
 from workbench.train.engine.mesh_engine import make_engine
 from workbench.train.model import build
-from workbench.train.optimizer import make_optimizer
+from workbench.train.optimizer import make_optimizer, update
 from workbench.train.parallel import comm
 
 Progress = Callable[[str], None]
@@ -103,8 +104,7 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
                 n: (lambda e=engine, b=_batch(one, mb, device): e.train_step(b))
                 for n, (one, engine, _) in engines.items()}
             steps["ref"] = block_ops(model, layout.tp, tokens, dtype, device)["both"]
-            times: Dict[Any, List[float]] = {n: [] for n in [*steps, *[("opt", n)
-                                                                        for n in engines]]}
+            times: Dict[Any, List[float]] = defaultdict(list)
             for _ in range(reps + 1):  # the first round warms up
                 for n, fn in steps.items():
                     times[n].append(_timed(fn))
@@ -126,16 +126,10 @@ def probe_degree(cfg: RunConfig, model: ModelConfig, degree: int, rank: int,
 
 
 def _optimizer_step(engine: Any, cfg: RunConfig, device: torch.device) -> Callable[[], None]:
-    """The loop's update after a step: clip over the engine's shards and stages, AdamW (as
-    training builds it) over the engine's parameters, gradients set to None."""
+    """The loop's update after a step (optimizer.update), AdamW as training builds it over the
+    engine's parameters."""
     opt = make_optimizer(list(engine.view.parameters()), cfg, fused=device.type == "cuda")
-
-    def step() -> None:
-        if cfg.train.grad_clip > 0:
-            engine.clip_grad_norm(cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return lambda: update(engine, opt, cfg.train.grad_clip)
 
 
 def busy_counts(degree: int, world: int, device: torch.device) -> List[int]:

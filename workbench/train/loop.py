@@ -26,7 +26,7 @@ from workbench.train.checkpoint.folder import CheckpointDir, rng_state, set_rng_
 from workbench.train.engine import Batch, Engine
 from workbench.train.hooks import LoopHooks
 from workbench.train.model import trainable_params
-from workbench.train.optimizer import lr_at, make_optimizer
+from workbench.train.optimizer import lr_at, make_optimizer, update
 
 
 def _process_start_s() -> float:
@@ -148,9 +148,7 @@ def train_step(ctx: LoopContext, run: Run, step: int, lr: float) -> Dict[str, fl
         group["lr"] = lr
     t0 = time.perf_counter()
     loss = ctx.engine.train_step(micro_batches(ctx, "train", step, t.global_batch))
-    grad_norm = ctx.engine.clip_grad_norm(t.grad_clip) if t.grad_clip > 0 else 0.0
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    grad_norm = update(ctx.engine, run.optimizer, t.grad_clip)
     if ctx.engine.device.type == "cuda":
         torch.cuda.synchronize()
     step_time_s = time.perf_counter() - t0
