@@ -1,10 +1,16 @@
-"""Run many layouts inside ONE multi-process gloo group, for tests and the CPU benchmark.
+"""Run many layouts inside a multi-process gloo group, for tests and the CPU benchmark.
 
 torchrun pays 10-20 s to start a job; a layout case costs well under a second on gpt_tiny. So
 this spawns N ranks once (torch.multiprocessing, a FileStore rendezvous, the same counting
 backend and engine as a real run) and runs every case through the real training loop in them.
 Results come back as plain JSON files, one per rank (tensors sent through a queue can vanish
 when the child exits).
+
+What a case leaves behind stays in its ranks: its mesh's gloo subgroups (each with its own
+threads), and its model, held by torch's DTensor caches. A real run builds one engine per
+process; here the 30th case of a group ran its layout 20-30% slower than the first (149
+threads a rank, 49 groups). Timings therefore take `cases_per_group`: a fresh group of
+processes every few cases (about 5 s each to start at 4 ranks).
 """
 
 from __future__ import annotations
@@ -144,7 +150,7 @@ def _run_case(case: Case, data: TokenData, rank: int, world_size: int,
         if case.ckpt_dir else _NoCheckpoints()
     ctx = _context(cfg, case.layout, data, engine, ckpt, world_size, history)
     out: Dict[str, Any] = {"is_main": engine.is_main, "history": history,
-                           "param_dtypes": param_dtypes(engine)}
+                           "param_dtypes": param_dtypes(engine), "pid": os.getpid()}
     if case.train:
         out["last"] = {k: float(v) for k, v in loop.train(ctx).items()}
     else:
@@ -167,9 +173,9 @@ def _drop_checkpoints_after(folder: str, step: int, rank: int) -> None:
     dist.barrier()
 
 
-def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data: TokenData,
-           out_dir: str, collective_timeout_s: float, netns: Optional[List[str]] = None,
-           cgroups: Optional[List[str]] = None) -> None:
+def _child(rank: int, world_size: int, store_path: str, cases: List[Case], first: int,
+           data: TokenData, out_dir: str, collective_timeout_s: float,
+           netns: Optional[List[str]] = None, cgroups: Optional[List[str]] = None) -> None:
     import torch.distributed as dist
 
     from workbench.startup import fewer_gc_passes
@@ -190,7 +196,7 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
     # A short collective timeout turns a hang (a rank that failed alone) into an error.
     with comm.process_group("cpu", rank, world_size, counter, timeout_s=collective_timeout_s,
                             store=dist.FileStore(store_path, world_size)):
-        for i, case in enumerate(cases):
+        for i, case in enumerate(cases, start=first):
             try:
                 result = _run_case(case, data, rank, world_size, counter)
             except Exception as e:  # a failing case is reported, the group goes on
@@ -209,38 +215,50 @@ def _child(rank: int, world_size: int, store_path: str, cases: List[Case], data:
 def run_cases(world_size: int, cases: List[Case], data: TokenData,
               workdir: Optional[str] = None, timeout_s: float = 600.0,
               collective_timeout_s: float = 120.0, netns: Optional[List[str]] = None,
-              cgroups: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    """Run the cases in one spawned group; per case: the main rank's result, with every
-    rank's weight fingerprints merged (pipeline stages hold different parameters). The ranks
-    are killed after timeout_s. `netns`: rank i runs in network namespace netns[i]
-    (workbench.testing.netns.LimitedLink), so the ranks talk only over that link. `cgroups`:
-    rank i runs in the cgroup at cgroups[i] ('' none; workbench.testing.cpuquota.CpuQuota)."""
-    import torch.multiprocessing as mp
-
+              cgroups: Optional[List[str]] = None,
+              cases_per_group: int = 0) -> List[Dict[str, Any]]:
+    """Run the cases in spawned groups: one for them all, or with `cases_per_group` a fresh
+    one for every that many (for timings, see the module's docstring). Per case: the main
+    rank's result, with every rank's weight fingerprints merged (pipeline stages hold different
+    parameters). The ranks are killed after timeout_s in all. `netns`: rank i runs in network
+    namespace netns[i] (workbench.testing.netns.LimitedLink), so the ranks talk only over that
+    link. `cgroups`: rank i runs in the cgroup at cgroups[i] ('' none;
+    workbench.testing.cpuquota.CpuQuota)."""
     workdir = workdir or tempfile.mkdtemp(prefix="wb-multirank-")
     os.makedirs(workdir, exist_ok=True)
-    store_path = os.path.join(workdir, "store")
-    ctx = mp.spawn(_child, args=(world_size, store_path, cases, data, workdir,
-                                 collective_timeout_s, netns, cgroups), nprocs=world_size,
-                    join=False)
+    per_group = cases_per_group or max(1, len(cases))
     deadline = time.monotonic() + timeout_s
+    for first in range(0, len(cases), per_group):
+        _spawn(world_size, cases[first:first + per_group], first, data, workdir, deadline,
+               (collective_timeout_s, netns, cgroups))
+    return [_merged(workdir, i, world_size) for i in range(len(cases))]
+
+
+def _spawn(world_size: int, cases: List[Case], first: int, data: TokenData, workdir: str,
+           deadline: float, options: tuple) -> None:
+    """One group of ranks for `cases` (numbered from `first`), killed at the deadline."""
+    import torch.multiprocessing as mp
+
+    store_path = os.path.join(workdir, f"store{first:03d}")
+    ctx = mp.spawn(_child, args=(world_size, store_path, cases, first, data, workdir,
+                                 *options), nprocs=world_size, join=False)
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
             for proc in ctx.processes:
                 proc.kill()
-            raise TimeoutError(f"{world_size} ranks did not finish {len(cases)} cases in "
-                               f"{timeout_s:.0f} s")
-    results = []
-    for i in range(len(cases)):
-        ranks = [json.loads(Path(workdir, f"case{i:03d}_rank{r}.json").read_text())
-                 for r in range(world_size)]
-        errors = [r for r in ranks if "error" in r]
-        if errors:
-            results.append(errors[0])
-            continue
-        main = next(r for r in ranks if r["is_main"])
-        weights: Dict[str, str] = {}
-        for r in ranks:
-            weights.update(r.get("weights", {}))
-        results.append({**main, "weights": weights, "ranks": ranks})
-    return results
+            raise TimeoutError(f"{world_size} ranks did not finish cases {first}-"
+                               f"{first + len(cases) - 1} in time")
+
+
+def _merged(workdir: str, i: int, world_size: int) -> Dict[str, Any]:
+    """Case i's result: its first error, or the main rank's with every rank's weights."""
+    ranks = [json.loads(Path(workdir, f"case{i:03d}_rank{r}.json").read_text())
+             for r in range(world_size)]
+    errors = [r for r in ranks if "error" in r]
+    if errors:
+        return errors[0]
+    main = next(r for r in ranks if r["is_main"])
+    weights: Dict[str, str] = {}
+    for r in ranks:
+        weights.update(r.get("weights", {}))
+    return {**main, "weights": weights, "ranks": ranks}
